@@ -1,0 +1,148 @@
+"""The table of KVCACHED_* settings: type, default, bounds and meaning, parsed and validated once.
+
+Nothing else in kvcached reads the environment. ``settings()`` reads it on first use and caches
+the result; ``reload_settings()`` reads it again (tests, or after ``shutdown_kvcached``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import KVCachedConfigError
+
+LAYOUTS = ("auto", "per_layer", "interleaved", "page_grouped")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    parse: Callable[[str], object]
+    default: object
+    doc: str
+
+
+def _int_in(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if not lo <= value <= hi:
+            raise ValueError(f"must be in [{lo}, {hi}]")
+        return value
+
+    return parse
+
+
+def _float_in(lo: float, hi: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = float(text)
+        if not lo <= value <= hi:
+            raise ValueError(f"must be in [{lo}, {hi}]")
+        return value
+
+    return parse
+
+
+def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().upper() if upper else text.strip().lower()
+        if value not in options:
+            raise ValueError(f"must be one of {', '.join(options)}")
+        return value
+
+    return parse
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be 0/1, true/false, yes/no or on/off")
+
+
+def _name(text: str) -> str:
+    value = text.strip()
+    if not value or "/" in value or len(value) > 200:
+        raise ValueError("must be a non-empty name without '/' of at most 200 characters")
+    return value
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("KVCACHED_PAGE_SIZE_MB", _int_in(1, 1024), 2,
+            "Page size of one KV buffer in MiB; a multiple of the driver granularity (2 MiB on CUDA)."),
+    Setting("KVCACHED_MIN_RESERVED_PAGES", _int_in(0, 1 << 20), 5,
+            "The background thread keeps at least this many mapped, unused pages ready."),
+    Setting("KVCACHED_MAX_RESERVED_PAGES", _int_in(0, 1 << 20), 10,
+            "Freed pages beyond this many mapped, unused pages are unmapped."),
+    Setting("KVCACHED_LAYOUT", _choice(LAYOUTS), "auto",
+            "Memory layout of the KV tensors; auto picks per platform (see kvcached.layout)."),
+    Setting("KVCACHED_ZERO_PAGE", _bool, False,
+            "Back every unallocated page with one shared read-only zero page."),
+    Setting("KVCACHED_IDLE_TRIM_S", _float_in(0.0, 86400.0), 30.0,
+            "Seconds without alloc/free after which the reserved pool is trimmed; 0 disables."),
+    Setting("KVCACHED_IPC_NAME", _name, None,
+            "Name of this instance's shared-memory segment; default kvcached_<pid>_<n>."),
+    Setting("KVCACHED_GLOBAL_BUDGET", _name, None,
+            "Name of a shared budget segment; instances naming the same one never map more in sum."),
+    Setting("KVCACHED_LOG_LEVEL", _choice(LOG_LEVELS, upper=True), "WARNING",
+            "Logging level of the kvcached logger."),
+    Setting("KVCACHED_DEBUG_CHECKS", _bool, False,
+            "Run check_invariants() after every allocator step (slow; for debugging)."),
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    page_size_mb: int
+    min_reserved_pages: int
+    max_reserved_pages: int
+    layout: str
+    zero_page: bool
+    idle_trim_s: float
+    ipc_name: str | None
+    global_budget: str | None
+    log_level: str
+    debug_checks: bool
+
+
+def _read(environ: dict[str, str]) -> Settings:
+    values = {}
+    for setting in SETTINGS:
+        raw = environ.get(setting.name)
+        if raw is None:
+            values[setting.name] = setting.default
+            continue
+        try:
+            values[setting.name] = setting.parse(raw)
+        except ValueError as exc:
+            raise KVCachedConfigError(
+                f"{setting.name}={raw!r} is invalid: {exc}. {setting.doc} Default: {setting.default!r}."
+            ) from None
+    lo, hi = values["KVCACHED_MIN_RESERVED_PAGES"], values["KVCACHED_MAX_RESERVED_PAGES"]
+    if lo > hi:
+        raise KVCachedConfigError(
+            f"KVCACHED_MIN_RESERVED_PAGES={lo} exceeds KVCACHED_MAX_RESERVED_PAGES={hi}: "
+            f"set the minimum to at most {hi} or the maximum to at least {lo}."
+        )
+    return Settings(*(values[s.name] for s in SETTINGS))
+
+
+_cached: Settings | None = None
+
+
+def settings() -> Settings:
+    """The settings of this process, read from the environment on first use."""
+    global _cached
+    if _cached is None:
+        _cached = _read(dict(os.environ))
+    return _cached
+
+
+def reload_settings() -> Settings:
+    """Read the environment again (after it changed), validating every value."""
+    global _cached
+    _cached = None
+    return settings()

@@ -1,0 +1,54 @@
+"""Exception hierarchy of kvcached.
+
+Out of memory inside the allocator is a value (``alloc`` returns None); these exceptions are for
+everything else, and for callers of the low-level backends that asked for memory directly.
+"""
+
+
+class KVCachedError(RuntimeError):
+    """Base of every kvcached error."""
+
+
+class KVCachedConfigError(KVCachedError):
+    """A setting or constructor argument is invalid; the message names the value that would work."""
+
+
+class KVCachePoolExhausted(ValueError):
+    """The request can never be satisfied by this pool (more blocks than it can ever hold)."""
+
+
+class DriverUnavailableError(KVCachedError):
+    """No usable CUDA driver on this machine; the host backend (device='cpu') still works."""
+
+
+class DriverError(KVCachedError):
+    """A CUDA driver call failed. ``call`` names it, ``code``/``name`` are the driver's error."""
+
+    def __init__(self, call: str, code: int, name: str, message: str = ""):
+        self.call, self.code, self.name = call, code, name
+        super().__init__(f"{call} failed: {name} ({code}){': ' + message if message else ''}")
+
+
+class OutOfDeviceMemory(DriverError, MemoryError):
+    """Physical memory could not be had (CUDA_ERROR_OUT_OF_MEMORY, or the host pool is full)."""
+
+
+class MappingError(KVCachedError, ValueError):
+    """A mapping request is inconsistent with the current state (already mapped, not mapped,
+    out of range, misaligned). Nothing was changed."""
+
+
+class BlockStateError(KVCachedError, ValueError):
+    """A block id is unknown or not allocated (double free). Nothing was changed."""
+
+
+__all__ = [
+    "KVCachedError",
+    "KVCachedConfigError",
+    "KVCachePoolExhausted",
+    "DriverUnavailableError",
+    "DriverError",
+    "OutOfDeviceMemory",
+    "MappingError",
+    "BlockStateError",
+]
