@@ -1,0 +1,1 @@
+"""Operator tools: kvctl and kvtop."""
