@@ -1,0 +1,322 @@
+"""kvctl: see every kvcached instance on this machine, change their limits, manage budgets.
+
+It reads and writes the instances' shared-memory segments (kvcached.mem_info_tracker) and the
+budget segments (kvcached.budget) directly; no daemon is involved. Exit status: 0 success,
+1 bad input or unknown name, 2 usage error, 3 the instance rejected the request, 4 it did not
+answer within --timeout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+from ..budget import delete_budget, gc_budgets, list_budgets, read_budget, set_budget
+from ..errors import KVCachedError
+from ..mem_info_tracker import (
+    Snapshot,
+    delete_segment,
+    gc_segments,
+    read_segment,
+    request_limit,
+    scan_segments,
+    wait_for_ack,
+)
+from .sizes import SIZE_HELP, format_bytes, parse_size
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REJECTED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
+# argparse takes "-1G" for an unknown option; a leading space makes it a value, which the command
+# then rejects with a message about the negative value itself.
+_NEGATIVE_VALUE = re.compile(r"-\.?\d")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors that point at --help."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Fail(Exception):
+    """A one-line explanation for stderr, and the exit status."""
+
+    def __init__(self, message: str, status: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def state_of(snap: Snapshot) -> str:
+    """"alive", "stale" (alive, heartbeat older than STALE_AFTER_S: hung) or "dead"."""
+    if not snap.alive:
+        return "dead"
+    return "stale" if snap.stale else "alive"
+
+
+def _table(rows: list[list[str]], right: set[int]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                  for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in rows)
+
+
+def _snapshots(warn: bool = True) -> list[Snapshot]:
+    snaps = []
+    for name, snap in scan_segments():
+        if isinstance(snap, Snapshot):
+            snaps.append(snap)
+        elif warn:
+            print(f"kvctl: skipped segment {name!r}: {snap}", file=sys.stderr)
+    return snaps
+
+
+def _json_snapshot(snap: Snapshot) -> dict:
+    record = snap.to_dict()
+    record["state"] = state_of(snap)
+    record["mapped_bytes"] = snap.mapped_bytes
+    return record
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    snaps = _snapshots()
+    if args.json:
+        print(json.dumps([_json_snapshot(s) for s in snaps], indent=2))
+        return EXIT_OK
+    if not snaps:
+        print("no kvcached instances")
+        return EXIT_OK
+    rows = [["NAME", "PID", "STATE", "LIMIT", "USED", "RESERVED", "CAPACITY", "STATUS", "REV"]]
+    for s in snaps:
+        rows.append([s.name, str(s.pid), state_of(s), format_bytes(s.limit_bytes),
+                     format_bytes(s.used_bytes), format_bytes(s.reserved_bytes),
+                     format_bytes(s.capacity_bytes), s.limit_status, str(s.limit_revision)])
+    print(_table(rows, right={1, 3, 4, 5, 6, 8}))
+    return EXIT_OK
+
+
+def cmd_limit(args: argparse.Namespace) -> int:
+    snap = read_segment(args.name)
+    if not snap.alive:
+        raise _Fail(f"instance {args.name!r} is dead (pid {snap.pid} is gone); `kvctl gc` "
+                    "removes its segment")
+    try:
+        limit_bytes = parse_size(args.size, snap.capacity_bytes)
+    except ValueError as exc:
+        raise _Fail(str(exc)) from None
+    if args.timeout < 0:
+        raise _Fail(f"--timeout {args.timeout} is negative: give seconds >= 0 (0: do not wait)")
+    if args.revision is not None and args.revision < 0:
+        raise _Fail(f"--revision {args.revision} is negative: give a revision >= 0, or omit it")
+    request = request_limit(args.name, limit_bytes, args.revision)
+    ack = wait_for_ack(request, timeout_s=args.timeout)
+    if args.json:
+        print(json.dumps({"request": {"name": request.name, "limit_bytes": request.limit_bytes,
+                                      "revision": request.revision,
+                                      "request_seq": request.request_seq},
+                          "acknowledged": ack is not None,
+                          "state": _json_snapshot(ack) if ack else None}, indent=2))
+    if ack is None:
+        try:
+            gone = not read_segment(args.name).alive
+        except KVCachedError:
+            gone = True
+        if gone:
+            raise _Fail(f"{args.name} exited before acknowledging limit "
+                        f"{format_bytes(limit_bytes)} (revision {request.revision})")
+        raise _Fail(
+            f"{args.name} did not acknowledge limit {format_bytes(limit_bytes)} (revision "
+            f"{request.revision}) within {args.timeout} s; the request stays pending until its "
+            "tracker's watcher runs (is the instance busy or not watching?)", EXIT_TIMEOUT)
+    where = f"limit {format_bytes(ack.limit_bytes)} (revision {ack.limit_revision})"
+    if ack.ack_request_seq > request.request_seq:
+        raise _Fail(f"{args.name}: a later request superseded this one; the instance now has "
+                    f"{where}, status {ack.ack_status}", EXIT_REJECTED)
+    if ack.ack_status == "stale":
+        raise _Fail(f"{args.name} rejected revision {request.revision} as stale: its revision "
+                    f"is {ack.limit_revision}; omit --revision or pass one above it",
+                    EXIT_REJECTED)
+    if ack.ack_status == "conflict":
+        raise _Fail(f"{args.name} rejected the request: revision {request.revision} already has "
+                    f"limit {format_bytes(ack.limit_bytes)}; omit --revision or pass "
+                    f"{ack.limit_revision + 1}", EXIT_REJECTED)
+    if ack.ack_status not in ("applied", "deferred"):
+        raise _Fail(f"{args.name} could not apply the limit (status {ack.ack_status}); its log "
+                    "says why", EXIT_REJECTED)
+    if not args.json:
+        mapped = format_bytes(ack.mapped_bytes)
+        if ack.ack_status == "applied":
+            print(f"{args.name}: applied {where}; mapped {mapped}")
+        else:
+            print(f"{args.name}: deferred {where}; mapped {mapped}, applied once usage falls "
+                  "below the limit")
+    return EXIT_OK
+
+
+def cmd_watch(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise _Fail(f"--interval {args.interval} is invalid: give seconds > 0, e.g. 0.5")
+    if args.count is not None and args.count < 1:
+        raise _Fail(f"--count {args.count} is invalid: give a number of polls >= 1")
+    seen: dict[str, tuple] = {}
+    polls = 0
+    try:
+        while args.count is None or polls < args.count:
+            if polls:
+                time.sleep(args.interval)
+            polls += 1
+            now = time.strftime("%H:%M:%S")
+            current = {s.name: s for s in _snapshots(warn=polls == 1)}
+            for name in sorted(set(seen) - set(current)):
+                print(f"{now} - {name} gone", flush=True)
+                del seen[name]
+            for name, s in current.items():
+                key = (s.used_bytes, s.reserved_bytes, s.limit_bytes, s.limit_revision,
+                       s.limit_status, s.capacity_bytes, state_of(s))
+                if seen.get(name) != key:
+                    mark = "~" if name in seen else "+"
+                    seen[name] = key
+                    print(f"{now} {mark} {name} {state_of(s)} used {format_bytes(s.used_bytes)}"
+                          f" reserved {format_bytes(s.reserved_bytes)} limit "
+                          f"{format_bytes(s.limit_bytes)} rev {s.limit_revision} "
+                          f"{s.limit_status}", flush=True)
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    removed = gc_segments()
+    recovered = gc_budgets()
+    for name in removed:
+        print(f"removed segment {name} (owner dead)")
+    for name, nbytes in recovered.items():
+        print(f"budget {name}: recovered {format_bytes(nbytes)} from dead holders")
+    if not removed and not recovered:
+        print("nothing to clean")
+    return EXIT_OK
+
+
+def cmd_delete(args: argparse.Namespace) -> int:
+    delete_segment(args.name, force=args.force)
+    print(f"deleted segment {args.name}")
+    return EXIT_OK
+
+
+def cmd_budget(args: argparse.Namespace) -> int:
+    if args.name is None:
+        if args.size is not None or args.delete:
+            raise _Fail("give a budget NAME")
+        budgets = list_budgets()
+        if args.json:
+            print(json.dumps([b.to_dict() for b in budgets], indent=2))
+        elif not budgets:
+            print("no kvcached budgets")
+        else:
+            rows = [["NAME", "BUDGET", "HELD", "FREE", "HOLDERS", "RECOVERED"]]
+            for b in budgets:
+                rows.append([b.name, format_bytes(b.budget_bytes), format_bytes(b.held_bytes),
+                             format_bytes(max(0, b.budget_bytes - b.held_bytes)),
+                             str(len(b.holders)), format_bytes(b.recovered_bytes)])
+            print(_table(rows, right={1, 2, 3, 4, 5}))
+        return EXIT_OK
+    if args.delete:
+        if args.size is not None:
+            raise _Fail("give either SIZE or --delete, not both")
+        delete_budget(args.name, force=args.force)
+        print(f"deleted budget {args.name}")
+        return EXIT_OK
+    if args.size is not None:
+        try:
+            budget_bytes = parse_size(args.size)
+        except ValueError as exc:
+            raise _Fail(str(exc)) from None
+        snap = set_budget(args.name, budget_bytes)
+    else:
+        snap = read_budget(args.name)
+    if args.json:
+        print(json.dumps(snap.to_dict(), indent=2))
+        return EXIT_OK
+    print(f"budget {snap.name}: {format_bytes(snap.budget_bytes)}, held "
+          f"{format_bytes(snap.held_bytes)} by {len(snap.holders)} holder(s), recovered "
+          f"{format_bytes(snap.recovered_bytes)}")
+    for h in snap.holders:
+        print(f"  pid {h.pid:>8}  {format_bytes(h.held_bytes):>12}  "
+              f"{'alive' if h.alive else 'dead'}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="kvctl", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("list", help="list instances: usage, limit, state",
+                       description="List every kvcached instance on this machine.")
+    p.add_argument("--json", action="store_true", help="print a JSON array")
+    p.set_defaults(run=cmd_list)
+
+    p = sub.add_parser("limit", help="change an instance's memory limit",
+                       description="Ask instance NAME to change its limit and print the state it "
+                                   "reports.")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("size", metavar="SIZE",  # argparse formats help with %
+                   help=SIZE_HELP.replace("%", "%%") + "; 0 releases everything")
+    p.add_argument("--revision", type=int, help="revision of this limit (default: the next one)")
+    p.add_argument("--timeout", type=float, default=1.0,
+                   help="seconds to wait for the instance's answer (default 1)")
+    p.add_argument("--json", action="store_true", help="print the request and state as JSON")
+    p.set_defaults(run=cmd_limit)
+
+    p = sub.add_parser("watch", help="print changes until Ctrl-C",
+                       description="Poll the instances and print a line per change.")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
+    p.add_argument("--count", type=int, help="stop after this many polls")
+    p.set_defaults(run=cmd_watch)
+
+    p = sub.add_parser("gc", help="remove dead instances' segments, recover budgets",
+                       description="Remove the segments of dead instances and take back what "
+                                   "dead processes held in budgets.")
+    p.set_defaults(run=cmd_gc)
+
+    p = sub.add_parser("delete", help="remove an instance's segment",
+                       description="Remove the segment of instance NAME (refused while it is "
+                                   "alive, unless --force).")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--force", action="store_true", help="remove it even if the owner is alive")
+    p.set_defaults(run=cmd_delete)
+
+    p = sub.add_parser("budget", help="list, show, size or delete global budgets",
+                       description="No NAME: list budgets. NAME: show it. NAME SIZE: create it "
+                                   "or change its size. NAME --delete: remove it.")
+    p.add_argument("name", metavar="NAME", nargs="?")
+    p.add_argument("size", metavar="SIZE", nargs="?", help="bytes (4096) or a binary unit (40G)")
+    p.add_argument("--delete", action="store_true", help="remove the budget")
+    p.add_argument("--force", action="store_true", help="with --delete: even if it is in use")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(run=cmd_budget)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run kvctl with ``argv`` (default: sys.argv[1:]); the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [" " + a if _NEGATIVE_VALUE.match(a) else a for a in argv]
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except _Fail as exc:
+        print(f"kvctl {args.command}: {exc}", file=sys.stderr)
+        return exc.status
+    except KVCachedError as exc:
+        print(f"kvctl {args.command}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # e.g. `kvctl list | head`: quiet, like other Unix tools
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1013 @@
+"""Shared-memory segment per instance: usage, limit, and the operator's limit requests.
+
+Why a segment and not a socket or a file: operators (``kvctl``, ``kvtop``) must see every instance
+on a machine at once, even instances that hang, and the allocator must publish its usage on every
+page map/unmap without a system call. A small POSIX shared-memory file per instance
+(``/dev/shm/kvcached.<name>``), created once and kept mapped for the life of the instance, gives
+both: the writer stores into the mapping (~200 ns, no syscall), readers map it read-only and copy it
+under a sequence counter. The reference project opened, locked, mapped and closed its segment on
+every page alloc/free; this module never does.
+
+Pure Python, imports neither torch nor the compiled core: ``kvctl list`` must start in well under
+200 ms. Linux only (``/dev/shm``, ``/proc``).
+
+Segment layout, version 1 (512 bytes, native byte order: little-endian on every CUDA host)
+
+====== ======= ===================== ==========================================================
+offset type    field                 meaning
+====== ======= ===================== ==========================================================
+0      char[4] magic                 ``b"KVCT"``
+4      u32     version               layout version, 1
+8      i64     segment_bytes         size of the segment, 512
+16     i64     pid                   owner process id
+24     i64     start_time            owner start time (clock ticks after boot; tells pid reuse)
+32     i64     pid_ns                inode of the owner's pid namespace (0: unknown)
+40     i64     created_ns            CLOCK_REALTIME ns when the segment was created
+48     i64     heartbeat_ns          CLOCK_REALTIME ns, refreshed by the owner's background thread
+56     i64     page_size_bytes       physical page size of the instance (0: unknown)
+64     u64     usage_seq             seqlock of the usage block (odd while being written)
+72     i64     used_bytes            bytes in pages holding live blocks
+80     i64     reserved_bytes        bytes mapped but holding no live block (reserved pool)
+88     u64     limit_seq             seqlock of the limit block (odd while being written)
+96     i64     limit_bytes           current limit; -1 = no limit (capacity bounds the instance)
+104    i64     limit_revision        revision of the current limit
+112    i64     limit_status          code of STATUS_NAMES: state of the current limit
+120    i64     capacity_bytes        most bytes this instance could ever map
+128    i64     ack_request_seq       request_seq of the last request the instance handled
+136    i64     ack_status            code of STATUS_NAMES: outcome of that request
+144    i64     ack_ns                CLOCK_REALTIME ns when that outcome was recorded
+152    u64     request_seq           seqlock of the request block; its even value names a request
+160    i64     request_limit_bytes   limit requested by an operator
+168    i64     request_revision      revision of that request
+176    i64     request_pid           pid of the requester
+184    i64     request_ns            CLOCK_REALTIME ns when the request was written
+192    byte[]  (reserved)            zero, 64 bytes
+256    char[]  name                  instance name, UTF-8, NUL-padded to 256 bytes
+====== ======= ===================== ==========================================================
+
+Writers: the usage block is written only by ``MemInfoTracker.publish`` (single writer, see
+Note [Seqlock without a system call]); the limit block by the owner under its limit lock; the
+request block by operators under ``flock(LOCK_EX)`` of the segment file (see Note [Limit
+requests]); ``heartbeat_ns`` by the owner's background thread, as one aligned 8-byte store.
+
+Revision semantics (the manager's ``apply`` callback implements them; ``classify_limit_request``
+spells them out): a request whose revision is lower than the current revision is ``stale`` and
+changes nothing; the same revision with a different limit is a ``conflict`` and changes nothing; the
+same revision and limit is idempotent; a higher revision is applied now (``applied``) or recorded
+and applied once usage has fallen below it (``deferred``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import itertools
+import logging
+import mmap
+import os
+import signal
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+from .errors import KVCachedConfigError, KVCachedError
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "kvcached."
+TMP_PREFIX = ".kvcached-tmp."
+MAGIC = b"KVCT"
+VERSION = 1
+SEGMENT_BYTES = 512
+NAME_BYTES = 256
+MAX_NAME_BYTES = 200
+NO_LIMIT = -1
+STALE_AFTER_S = 3.0
+HEARTBEAT_INTERVAL_S = 0.1
+
+STATUS_NAMES = ("none", "applied", "deferred", "stale", "conflict", "error")
+_STATUS_CODE = {name: code for code, name in enumerate(STATUS_NAMES)}
+
+_LAYOUT = struct.Struct("=4sI" + "q" * 23 + "64x" + f"{NAME_BYTES}s")
+_FIELDS = (
+    "magic", "version", "segment_bytes", "pid", "start_time", "pid_ns", "created_ns",
+    "heartbeat_ns", "page_size_bytes", "usage_seq", "used_bytes", "reserved_bytes", "limit_seq",
+    "limit_bytes", "limit_revision", "limit_status", "capacity_bytes", "ack_request_seq",
+    "ack_status", "ack_ns", "request_seq", "request_limit_bytes", "request_revision",
+    "request_pid", "request_ns", "name",
+)
+# Byte offset of every field, in layout order (the module docstring's table, checked by a test).
+OFFSETS = dict(zip(_FIELDS, (0, 4) + tuple(range(8, 192, 8)) + (256,)))
+# Index of each i64 field in the segment viewed as an array of int64 ("words").
+_W = {field: offset // 8 for field, offset in OFFSETS.items() if offset >= 8 and field != "name"}
+_W_HEARTBEAT = _W["heartbeat_ns"]
+_W_USAGE_SEQ, _W_USED, _W_RESERVED = _W["usage_seq"], _W["used_bytes"], _W["reserved_bytes"]
+_W_LIMIT_SEQ, _W_REQUEST_SEQ = _W["limit_seq"], _W["request_seq"]
+_READ_ATTEMPTS = 10_000
+
+assert _LAYOUT.size == SEGMENT_BYTES and OFFSETS["request_ns"] == 184
+assert (_W_USAGE_SEQ, _W_USED, _W_RESERVED) == (8, 9, 10)  # literals in publish()
+
+log = logging.getLogger("kvcached")
+
+
+# --------------------------------------------------------------------------------------------
+# Process identity: pid + start time + pid namespace. See Note [Telling a dead owner].
+# --------------------------------------------------------------------------------------------
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks after boot, or None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2:].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def _own_pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_PID_NS = _own_pid_ns()
+_START_TIME: dict[int, int] = {}
+
+
+def own_identity() -> tuple[int, int, int]:
+    """(pid, start_time, pid_ns) of this process, as written into segments."""
+    pid = os.getpid()
+    start = _START_TIME.get(pid)
+    if start is None:
+        start = _START_TIME[pid] = process_start_time(pid) or 0
+    return pid, start, _PID_NS
+
+
+def owner_alive(pid: int, start_time: int, pid_ns: int) -> bool | None:
+    """True if that process still runs, False if it is gone, None if this process cannot tell
+    (the owner lives in another pid namespace)."""
+    if pid <= 0:
+        return False
+    if pid_ns and _PID_NS and pid_ns != _PID_NS:
+        return None
+    current = process_start_time(pid)
+    if current is not None:
+        return start_time == 0 or current == start_time
+    try:  # /proc may hide other users' processes (hidepid): ask the kernel
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # exists, owned by another user; its start time cannot be checked
+    except ProcessLookupError:
+        return False
+    return False  # a zombie
+
+
+# --------------------------------------------------------------------------------------------
+# Names and files
+# --------------------------------------------------------------------------------------------
+
+def validate_name(name: str) -> str:
+    """Return ``name`` if it can name a segment, else raise KVCachedConfigError."""
+    if not isinstance(name, str) or not name or name in (".", ".."):
+        raise KVCachedConfigError(f"segment name {name!r} is invalid: give a non-empty string")
+    if "/" in name or any(ord(c) < 0x20 for c in name):
+        raise KVCachedConfigError(
+            f"segment name {name!r} is invalid: '/' and control characters are not allowed; "
+            "use letters, digits, '_', '-' or '.'")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise KVCachedConfigError(
+            f"segment name {name[:40]!r}... is {len(name.encode())} bytes in UTF-8; "
+            f"the most is {MAX_NAME_BYTES}")
+    return name
+
+
+def segment_path(name: str) -> str:
+    """Path of the segment file of instance ``name``."""
+    return os.path.join(SHM_DIR, SEGMENT_PREFIX + validate_name(name))
+
+
+_default_names = itertools.count()
+
+
+def default_name() -> str:
+    """A name unique within this machine while this process lives: ``kvcached_<pid>_<n>``."""
+    return f"kvcached_{os.getpid()}_{next(_default_names)}"
+
+
+def create_exclusive(path: str, content: bytes) -> int | None:
+    """Create ``path`` holding ``content``, fully written before any reader can open it.
+
+    Writes a hidden temporary file and hard-links it into place, so a reader never sees a
+    half-initialised segment. Returns an O_RDWR fd of the new file, or None if ``path`` exists.
+    Complexity: O(len(content)); three system calls beyond the write.
+    """
+    tmp = os.path.join(SHM_DIR, f"{TMP_PREFIX}{os.getpid()}.{os.urandom(6).hex()}")
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileNotFoundError:
+        raise KVCachedError(
+            f"{SHM_DIR} does not exist: kvcached needs Linux POSIX shared memory (tmpfs on "
+            f"{SHM_DIR}); mount one or run on Linux") from None
+    except PermissionError:
+        raise KVCachedError(
+            f"{SHM_DIR} is not writable by this user; make it world-writable with the sticky "
+            "bit (mode 1777), as Linux sets it up") from None
+    try:
+        os.write(fd, content)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            os.close(fd)
+            return None
+        return fd
+    finally:
+        os.unlink(tmp)
+
+
+def replace_if_dead(path: str, is_dead: Callable[[bytes], bool]) -> bool:
+    """Unlink ``path`` if ``is_dead(its content)``, under its flock so that two processes taking
+    over the same dead name cannot unlink each other's fresh file. True if it is gone now."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                return False  # replaced meanwhile: look again
+        except FileNotFoundError:
+            return True
+        if not is_dead(os.pread(fd, 4096, 0)):
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------
+# Clean-up on exit and on signals. See Note [Signals and clean-up].
+# --------------------------------------------------------------------------------------------
+
+_to_close: dict[int, MemInfoTracker] = {}
+_to_close_lock = threading.RLock()  # re-entered by a signal handler
+_signals_chained: set[int] = set()
+
+
+def close_at_exit(obj: MemInfoTracker) -> None:
+    """Call ``obj.close()`` at interpreter exit, or before SIGTERM/SIGINT kill the process."""
+    with _to_close_lock:
+        if not _to_close:
+            atexit.register(_close_all)
+        _to_close[id(obj)] = obj
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if signum not in _signals_chained:
+                previous = signal.getsignal(signum)
+                if previous is None:
+                    continue  # installed outside Python: cannot be chained
+                signal.signal(signum, _make_handler(previous))
+                _signals_chained.add(signum)
+
+
+def cancel_close_at_exit(obj: MemInfoTracker) -> None:
+    """Forget ``obj`` (it was closed)."""
+    with _to_close_lock:
+        _to_close.pop(id(obj), None)
+        if not _to_close:
+            atexit.unregister(_close_all)
+
+
+def _close_all() -> None:
+    with _to_close_lock:
+        objs = list(_to_close.values())
+    for obj in objs:
+        try:
+            obj.close()
+        except Exception:  # keep closing the others; exit must not fail on clean-up
+            log.exception("kvcached: closing %r at exit failed", obj)
+
+
+def _make_handler(previous: object) -> Callable[[int, object], None]:
+    def handler(signum: int, frame: object) -> None:
+        if previous is signal.SIG_IGN:
+            return
+        if callable(previous):
+            previous(signum, frame)
+            return
+        _close_all()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    return handler
+
+
+# --------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One consistent copy of a segment, as a reader saw it (sizes in bytes, times in ns)."""
+
+    name: str
+    path: str
+    version: int
+    pid: int
+    start_time: int
+    pid_ns: int
+    created_ns: int
+    heartbeat_ns: int
+    page_size_bytes: int
+    used_bytes: int
+    reserved_bytes: int
+    limit_bytes: int
+    limit_revision: int
+    limit_status: str
+    capacity_bytes: int
+    ack_request_seq: int
+    ack_status: str
+    ack_ns: int
+    request_seq: int
+    request_limit_bytes: int
+    request_revision: int
+    request_pid: int
+    request_ns: int
+    usage_seq: int
+    heartbeat_age_s: float
+    alive: bool
+    stale: bool
+    consistent: bool
+
+    @property
+    def mapped_bytes(self) -> int:
+        """used + reserved: what the instance has mapped now."""
+        return self.used_bytes + self.reserved_bytes
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _status_name(code: int) -> str:
+    return STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else f"unknown({code})"
+
+
+def _parse(raw: bytes, path: str, consistent: bool) -> Snapshot:
+    values = dict(zip(_FIELDS, _LAYOUT.unpack(raw)))
+    if values["magic"] != MAGIC:
+        raise KVCachedError(f"{path} is not a kvcached segment (magic {values['magic']!r})")
+    if values["version"] != VERSION:
+        raise KVCachedError(
+            f"{path} has layout version {values['version']}; this kvcached reads version "
+            f"{VERSION}: use the kvctl of the kvcached that created it")
+    age_s = max(0.0, (time.time_ns() - values["heartbeat_ns"]) / 1e9)
+    alive = owner_alive(values["pid"], values["start_time"], values["pid_ns"])
+    if alive is None:
+        alive = age_s <= STALE_AFTER_S
+    return Snapshot(
+        name=values["name"].rstrip(b"\0").decode(errors="replace"),
+        path=path,
+        version=values["version"],
+        pid=values["pid"],
+        start_time=values["start_time"],
+        pid_ns=values["pid_ns"],
+        created_ns=values["created_ns"],
+        heartbeat_ns=values["heartbeat_ns"],
+        page_size_bytes=values["page_size_bytes"],
+        used_bytes=values["used_bytes"],
+        reserved_bytes=values["reserved_bytes"],
+        limit_bytes=values["limit_bytes"],
+        limit_revision=values["limit_revision"],
+        limit_status=_status_name(values["limit_status"]),
+        capacity_bytes=values["capacity_bytes"],
+        ack_request_seq=values["ack_request_seq"],
+        ack_status=_status_name(values["ack_status"]),
+        ack_ns=values["ack_ns"],
+        request_seq=values["request_seq"],
+        request_limit_bytes=values["request_limit_bytes"],
+        request_revision=values["request_revision"],
+        request_pid=values["request_pid"],
+        request_ns=values["request_ns"],
+        usage_seq=values["usage_seq"],
+        heartbeat_age_s=age_s,
+        alive=alive,
+        stale=not alive or age_s > STALE_AFTER_S,
+        consistent=consistent,
+    )
+
+
+def _read_consistent(mm: mmap.mmap) -> tuple[bytes, bool]:
+    """Copy the segment while no seqlock writer is inside (Note [Seqlock without a system call]).
+
+    Returns (bytes, consistent); consistent is False only if a writer stayed inside for all
+    attempts (it died mid-write, or was descheduled): the copy is then the last one read.
+    """
+    with memoryview(mm) as view, view.cast("q") as words:
+        raw = b""
+        for attempt in range(_READ_ATTEMPTS):
+            before = (words[_W_USAGE_SEQ], words[_W_LIMIT_SEQ], words[_W_REQUEST_SEQ])
+            raw = mm[:SEGMENT_BYTES]
+            if not (before[0] | before[1] | before[2]) & 1 and before == (
+                    words[_W_USAGE_SEQ], words[_W_LIMIT_SEQ], words[_W_REQUEST_SEQ]):
+                return raw, True
+            if attempt % 64 == 63:
+                time.sleep(0)
+        return raw, False
+
+
+def _open_map(path: str, writable: bool = False) -> tuple[int, mmap.mmap]:
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size < SEGMENT_BYTES:
+            raise KVCachedError(
+                f"{path} is {size} bytes, not a kvcached segment ({SEGMENT_BYTES} bytes); "
+                "remove it with kvctl delete if nothing uses it")
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return fd, mmap.mmap(fd, SEGMENT_BYTES, mmap.MAP_SHARED, prot)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _read_path(path: str) -> Snapshot:
+    fd, mm = _open_map(path)
+    try:
+        raw, consistent = _read_consistent(mm)
+    finally:
+        mm.close()
+        os.close(fd)
+    return _parse(raw, path, consistent)
+
+
+def read_segment(name: str) -> Snapshot:
+    """A consistent snapshot of instance ``name``'s segment. O(1); four system calls.
+
+    Raises:
+        KVCachedError: no segment of that name (the message lists how to see the names), or the
+            file is not a kvcached segment of this layout version.
+    """
+    path = segment_path(name)
+    try:
+        return _read_path(path)
+    except FileNotFoundError:
+        raise KVCachedError(
+            f"no kvcached instance named {name!r} ({path} does not exist); "
+            "`kvctl list` shows the names") from None
+
+
+def scan_segments() -> Iterator[tuple[str, Snapshot | Exception]]:
+    """(name, snapshot or the error reading it) for every ``kvcached.*`` file, sorted by name."""
+    try:
+        entries = sorted(e for e in os.listdir(SHM_DIR) if e.startswith(SEGMENT_PREFIX))
+    except FileNotFoundError:
+        return
+    for entry in entries:
+        name = entry[len(SEGMENT_PREFIX):]
+        try:
+            yield name, _read_path(os.path.join(SHM_DIR, entry))
+        except FileNotFoundError:
+            continue  # removed while listing
+        except (OSError, KVCachedError, ValueError) as exc:
+            yield name, exc
+
+
+def list_segments() -> list[Snapshot]:
+    """Snapshots of every readable kvcached segment on this machine, sorted by name."""
+    return [snap for _, snap in scan_segments() if isinstance(snap, Snapshot)]
+
+
+# --------------------------------------------------------------------------------------------
+# Operators: limit requests, deletion, garbage collection
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class LimitRequest:
+    """A request written into a segment; ``request_seq`` is matched by ``ack_request_seq``."""
+
+    name: str
+    limit_bytes: int
+    revision: int
+    request_seq: int
+
+
+def request_limit(name: str, limit_bytes: int, revision: int | None = None) -> LimitRequest:
+    """Ask instance ``name`` to change its limit to ``limit_bytes`` (0 allowed).
+
+    ``revision`` None takes the next free revision (one above both the instance's current
+    revision and the last requested one), so concurrent operators never reuse one. The instance's
+    watcher notices the request within its poll interval; ``wait_for_ack`` waits for its answer.
+    A later request supersedes one the instance has not handled yet. See Note [Limit requests].
+
+    Raises:
+        KVCachedConfigError: ``limit_bytes`` or ``revision`` is negative or not an int.
+        KVCachedError: no such instance, or its file is not a segment. Nothing was written.
+    """
+    if not isinstance(limit_bytes, int) or limit_bytes < 0:
+        raise KVCachedConfigError(
+            f"limit_bytes={limit_bytes!r} is invalid: give an int >= 0 (0 releases everything)")
+    if revision is not None and (not isinstance(revision, int) or revision < 0):
+        raise KVCachedConfigError(
+            f"revision={revision!r} is invalid: give an int >= 0, or None for the next one")
+    path = segment_path(name)
+    try:
+        fd, mm = _open_map(path, writable=True)
+    except FileNotFoundError:
+        raise KVCachedError(
+            f"no kvcached instance named {name!r} ({path} does not exist); "
+            "`kvctl list` shows the names") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if mm[:4] != MAGIC:
+            raise KVCachedError(f"{path} is not a kvcached segment")
+        with memoryview(mm) as view, view.cast("q") as words:
+            if revision is None:
+                revision = max(words[_W["limit_revision"]], words[_W["request_revision"]]) + 1
+            seq = words[_W_REQUEST_SEQ]
+            seq += seq & 1  # a requester that died mid-write left it odd
+            words[_W_REQUEST_SEQ] = seq + 1
+            words[_W["request_limit_bytes"]] = limit_bytes
+            words[_W["request_revision"]] = revision
+            words[_W["request_pid"]] = os.getpid()
+            words[_W["request_ns"]] = time.time_ns()
+            words[_W_REQUEST_SEQ] = seq + 2
+        return LimitRequest(name, limit_bytes, revision, seq + 2)
+    finally:
+        mm.close()
+        os.close(fd)
+
+
+def wait_for_ack(request: LimitRequest, timeout_s: float = 1.0,
+                 poll_s: float = 0.002) -> Snapshot | None:
+    """Poll until the instance has handled ``request`` (or a later one); its snapshot then.
+
+    Returns None if ``timeout_s`` passed first, or earlier if the owner died. Compare
+    ``snapshot.ack_request_seq`` with ``request.request_seq``: greater means a later request
+    superseded this one and ``ack_status`` is that request's outcome.
+    """
+    path = segment_path(request.name)
+    deadline = time.monotonic() + timeout_s
+    try:
+        fd, mm = _open_map(path)
+    except FileNotFoundError:
+        return None
+    try:
+        while True:
+            raw, consistent = _read_consistent(mm)
+            snap = _parse(raw, path, consistent)
+            if snap.ack_request_seq >= request.request_seq:
+                return snap
+            if not snap.alive or time.monotonic() >= deadline:
+                return None
+            time.sleep(poll_s)
+    finally:
+        mm.close()
+        os.close(fd)
+
+
+def _dead_segment(raw: bytes) -> bool:
+    if len(raw) < SEGMENT_BYTES or raw[:4] != MAGIC:
+        return False  # not ours to remove
+    pid, start, pid_ns = struct.unpack_from("=qqq", raw, OFFSETS["pid"])
+    alive = owner_alive(pid, start, pid_ns)
+    if alive is None:
+        heartbeat_ns = struct.unpack_from("=q", raw, OFFSETS["heartbeat_ns"])[0]
+        return time.time_ns() - heartbeat_ns > STALE_AFTER_S * 1e9
+    return not alive
+
+
+def delete_segment(name: str, force: bool = False) -> None:
+    """Remove instance ``name``'s segment.
+
+    Raises:
+        KVCachedError: no such segment; or its owner is alive and ``force`` is False (the owner
+            would go on writing into a segment nobody can see). Nothing was removed.
+    """
+    path = segment_path(name)
+    if not os.path.exists(path):
+        raise KVCachedError(
+            f"no kvcached instance named {name!r}; `kvctl list` shows the names")
+    if force:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    if not replace_if_dead(path, _dead_segment):
+        snap = _read_path(path)
+        raise KVCachedError(
+            f"instance {name!r} is alive (pid {snap.pid}); stop it first, or force the removal "
+            "(kvctl delete --force), after which it publishes into a segment nobody sees")
+
+
+def gc_segments() -> list[str]:
+    """Remove the segments whose owner is dead (and leftover temporary files); their names.
+
+    Owners in another pid namespace count as dead only when their heartbeat is older than
+    STALE_AFTER_S. See Note [Telling a dead owner]. O(number of segments).
+    """
+    removed = []
+    for name, snap in scan_segments():
+        if isinstance(snap, Snapshot) and not snap.alive:
+            if replace_if_dead(os.path.join(SHM_DIR, SEGMENT_PREFIX + name), _dead_segment):
+                removed.append(name)
+    for entry in os.listdir(SHM_DIR):
+        if entry.startswith(TMP_PREFIX):
+            pid = entry[len(TMP_PREFIX):].split(".")[0]
+            if pid.isdigit() and process_start_time(int(pid)) is None:
+                try:
+                    os.unlink(os.path.join(SHM_DIR, entry))
+                except FileNotFoundError:
+                    pass
+    return removed
+
+
+def classify_limit_request(current_limit_bytes: int, current_revision: int, limit_bytes: int,
+                           revision: int) -> str:
+    """How an instance must treat a limit request, by the module's revision semantics.
+
+    Returns ``"stale"`` (revision below the current one: reject), ``"conflict"`` (same revision,
+    other limit: reject), ``"same"`` (same revision and limit: answer with the current state) or
+    ``"new"`` (higher revision: apply now, or defer until usage allows).
+    """
+    if revision < current_revision:
+        return "stale"
+    if revision == current_revision:
+        return "same" if limit_bytes == current_limit_bytes else "conflict"
+    return "new"
+
+
+def split_limit(limit_bytes: int, capacities: list[int], page_size_bytes: int = 0) -> list[int]:
+    """Divide an instance-wide limit across its pools in proportion to their capacities.
+
+    Largest-remainder rounding: the shares sum exactly to ``limit_bytes`` (or to it rounded down to
+    a whole number of pages when ``page_size_bytes`` > 0, every share then being page-aligned).
+    Pools of capacity 0 get 0, unless all capacities are 0 (then equal shares). NO_LIMIT gives
+    NO_LIMIT to every pool. O(n log n).
+
+    Example: ``split_limit(10, [1, 1, 1]) == [4, 3, 3]``.
+
+    Raises:
+        KVCachedConfigError: negative limit (other than NO_LIMIT), capacity or page size.
+    """
+    if limit_bytes == NO_LIMIT:
+        return [NO_LIMIT] * len(capacities)
+    if limit_bytes < 0:
+        raise KVCachedConfigError(
+            f"limit_bytes={limit_bytes} is invalid: give an int >= 0, or NO_LIMIT (-1)")
+    if any(c < 0 for c in capacities):
+        raise KVCachedConfigError(f"capacities={capacities} must all be >= 0")
+    if page_size_bytes < 0:
+        raise KVCachedConfigError(f"page_size_bytes={page_size_bytes} must be >= 0")
+    if not capacities:
+        return []
+    unit = page_size_bytes or 1
+    units = limit_bytes // unit
+    weights = capacities if sum(capacities) else [1] * len(capacities)
+    total = sum(weights)
+    shares = [units * w // total for w in weights]
+    remainders = sorted(range(len(weights)), key=lambda i: (-(units * weights[i] % total), i))
+    for i in remainders[: units - sum(shares)]:
+        shares[i] += 1
+    return [s * unit for s in shares]
+
+
+# --------------------------------------------------------------------------------------------
+# The owner side
+# --------------------------------------------------------------------------------------------
+
+ApplyLimit = Callable[[int, int], dict]
+
+
+class MemInfoTracker:
+    """The segment of one instance (or one pool of it), owned and written by this process.
+
+    Lock contract: ``publish`` takes no lock and must not run in two threads at once (the
+    manager calls it under its allocator lock); the limit block is written under
+    ``self._limit_lock`` (``set_limit``, ``set_capacity``, the watcher); the heartbeat word is
+    written only by the background thread. ``close`` is idempotent and may run in any thread.
+
+    Why not ``multiprocessing.shared_memory``: before Python 3.13 it registers every segment with
+    the resource tracker, which unlinks segments that *other* processes created when this one
+    exits; an ``os.open`` + ``mmap`` of a file under /dev/shm is the same memory without that.
+    """
+
+    def __init__(self, name: str | None = None, *, capacity_bytes: int = 0,
+                 page_size_bytes: int = 0, limit_bytes: int = NO_LIMIT,
+                 heartbeat_interval_s: float = HEARTBEAT_INTERVAL_S) -> None:
+        """Create and map the segment; start the heartbeat thread.
+
+        ``name``: the instance's name (the caller passes KVCACHED_IPC_NAME, suffixed per pool
+        where it has several); None picks ``kvcached_<pid>_<n>``. A segment of that name left by
+        a dead process is taken over.
+
+        Raises:
+            KVCachedConfigError: invalid name or sizes, or a live process owns that name (the
+                message names its pid).
+            KVCachedError: /dev/shm is missing or not writable.
+        """
+        self.name = validate_name(default_name() if name is None else name)
+        self.path = segment_path(self.name)
+        for field, value in (("capacity_bytes", capacity_bytes),
+                             ("page_size_bytes", page_size_bytes)):
+            if not isinstance(value, int) or value < 0:
+                raise KVCachedConfigError(f"{field}={value!r} is invalid: give an int >= 0")
+        _check_limit(limit_bytes)
+        if not heartbeat_interval_s > 0:
+            raise KVCachedConfigError(
+                f"heartbeat_interval_s={heartbeat_interval_s!r} must be > 0 (default "
+                f"{HEARTBEAT_INTERVAL_S}); readers call an instance stale after {STALE_AFTER_S} s")
+        pid, start_time, pid_ns = self._identity = own_identity()
+        now = time.time_ns()
+        content = _LAYOUT.pack(
+            MAGIC, VERSION, SEGMENT_BYTES, pid, start_time, pid_ns, now, now, page_size_bytes,
+            0, 0, 0,                                                      # usage block
+            0, limit_bytes, 0, _STATUS_CODE["none"], capacity_bytes, 0, 0, 0,  # limit block
+            0, 0, 0, 0, 0,                                                # request block
+            self.name.encode())
+        self._fd = self._create(content)
+        self._mmap = mmap.mmap(self._fd, SEGMENT_BYTES)
+        self._words = memoryview(self._mmap).cast("q")
+        self._ino = os.fstat(self._fd).st_ino
+        self._limit_lock = threading.Lock()
+        self._apply: ApplyLimit | None = None
+        self._poll_s = heartbeat_interval_s
+        self._heartbeat_ns = int(heartbeat_interval_s * 1e9)
+        self._closed = False
+        self._wake = threading.Event()
+        close_at_exit(self)
+        self._thread = threading.Thread(target=self._run, name=f"kvcached-tracker-{self.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _create(self, content: bytes) -> int:
+        for _ in range(16):
+            fd = create_exclusive(self.path, content)
+            if fd is not None:
+                return fd
+            if not replace_if_dead(self.path, _dead_segment):
+                if os.path.exists(self.path):
+                    try:
+                        owner = f"pid {_read_path(self.path).pid}"
+                    except (OSError, KVCachedError):
+                        owner = "a file that is not a readable segment"
+                    raise KVCachedConfigError(
+                        f"segment name {self.name!r} is in use by {owner} ({self.path}); give "
+                        "this instance another name (KVCACHED_IPC_NAME) or stop that process")
+        raise KVCachedError(f"could not create {self.path}: other processes keep replacing it")
+
+    # -- hot path -----------------------------------------------------------------------------
+
+    def publish(self, used_bytes: int, reserved_bytes: int) -> None:
+        """Record the instance's usage. No system call, no lock, no validation: ~200 ns.
+
+        Not thread-safe: call it from one thread at a time (under the allocator's lock).
+        After ``close`` it writes into a private scratch buffer. See Note [Seqlock without a
+        system call].
+        """
+        words = self._words
+        seq = words[8] + 1  # _W_USAGE_SEQ; literal indices keep this path short
+        words[8] = seq
+        words[9] = used_bytes
+        words[10] = reserved_bytes
+        words[8] = seq + 1
+
+    # -- limit block --------------------------------------------------------------------------
+
+    def set_limit(self, limit_bytes: int, revision: int, status: str = "applied") -> None:
+        """Record the instance's current limit (NO_LIMIT for none), its revision and state.
+
+        Raises:
+            KVCachedConfigError: negative limit other than NO_LIMIT, negative revision, or a
+                status not in STATUS_NAMES. Nothing was written.
+        """
+        _check_limit(limit_bytes)
+        if not isinstance(revision, int) or revision < 0:
+            raise KVCachedConfigError(f"revision={revision!r} is invalid: give an int >= 0")
+        code = _status_code(status)
+        with self._limit_lock:
+            self._write_limit_block(limit_bytes=limit_bytes, limit_revision=revision,
+                                    limit_status=code)
+
+    def set_capacity(self, capacity_bytes: int) -> None:
+        """Record the most bytes the instance could ever map (after its tensors were sized)."""
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise KVCachedConfigError(
+                f"capacity_bytes={capacity_bytes!r} is invalid: give an int >= 0")
+        with self._limit_lock:
+            self._write_limit_block(capacity_bytes=capacity_bytes)
+
+    def _write_limit_block(self, **fields: int) -> None:
+        """Assumes ``self._limit_lock``."""
+        words = self._words
+        seq = words[_W_LIMIT_SEQ] + 1
+        words[_W_LIMIT_SEQ] = seq
+        for field, value in fields.items():
+            words[_W[field]] = value
+        words[_W_LIMIT_SEQ] = seq + 1
+
+    # -- background thread: heartbeat and limit requests --------------------------------------
+
+    def start_watcher(self, apply: ApplyLimit, interval_s: float = 0.005) -> None:
+        """Poll for operators' limit requests every ``interval_s`` and hand each to ``apply``.
+
+        ``apply(limit_bytes, revision)`` runs in the tracker's thread and returns a dict
+        ``{"status": "applied"|"deferred"|"stale"|"conflict", "limit_bytes": int,
+        "revision": int}``. For applied/deferred the tracker records limit_bytes and revision
+        (default: the requested ones) as the current limit; for stale/conflict it changes only the
+        acknowledgement. An exception or a malformed answer is logged and acknowledged as
+        ``error``. A request already pending when the watcher starts is handled at once.
+
+        Raises:
+            KVCachedConfigError: ``interval_s`` not in (0, 1].
+        """
+        if not 0 < interval_s <= 1:
+            raise KVCachedConfigError(
+                f"interval_s={interval_s!r} is invalid: give a poll interval in (0, 1] seconds")
+        self._apply = apply
+        self._poll_s = min(interval_s, self._heartbeat_ns / 1e9)
+        self._wake.set()
+
+    def stop_watcher(self) -> None:
+        """Stop handing requests to the callback (they stay pending in the segment)."""
+        self._apply = None
+        self._poll_s = self._heartbeat_ns / 1e9
+
+    def _run(self) -> None:
+        next_beat = 0
+        while not self._closed:
+            now = time.time_ns()
+            if now >= next_beat:
+                self._words[_W_HEARTBEAT] = now
+                next_beat = now + self._heartbeat_ns
+            apply = self._apply
+            if apply is not None:
+                self._handle_request(apply)
+            self._wake.wait(self._poll_s)
+            self._wake.clear()
+
+    def _handle_request(self, apply: ApplyLimit) -> None:
+        words = self._words
+        seq = words[_W_REQUEST_SEQ]
+        if seq & 1 or seq == words[_W["ack_request_seq"]]:
+            return
+        limit_bytes = words[_W["request_limit_bytes"]]
+        revision = words[_W["request_revision"]]
+        if words[_W_REQUEST_SEQ] != seq:
+            return  # rewritten meanwhile: take the newer request on the next poll
+        try:
+            result = apply(limit_bytes, revision)
+            status = result["status"]
+            code = _status_code(status)
+            if status in ("applied", "deferred"):
+                limit_bytes = result.get("limit_bytes", limit_bytes)
+                revision = result.get("revision", revision)
+                _check_limit(limit_bytes)
+                if not isinstance(revision, int) or revision < 0:
+                    raise KVCachedConfigError(f"revision={revision!r} must be an int >= 0")
+        except Exception:
+            log.exception("kvcached: limit callback failed for %s (limit %r, revision %r)",
+                          self.name, limit_bytes, revision)
+            status, code = "error", _STATUS_CODE["error"]
+        ack = dict(ack_request_seq=seq, ack_status=code, ack_ns=time.time_ns())
+        with self._limit_lock:
+            if status in ("applied", "deferred"):
+                self._write_limit_block(limit_bytes=limit_bytes, limit_revision=revision,
+                                        limit_status=code, **ack)
+            else:
+                self._write_limit_block(**ack)
+
+    # -- reading and checking -----------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """This segment as a reader sees it.
+
+        Raises:
+            KVCachedError: the tracker is closed.
+        """
+        if self._mmap is None:
+            raise KVCachedError(f"tracker {self.name!r} is closed; its segment is gone")
+        raw, consistent = _read_consistent(self._mmap)
+        return _parse(raw, self.path, consistent)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the segment is inconsistent with this owner. O(1).
+
+        Call it when no other thread of this process publishes.
+        """
+        snap = self.snapshot()
+        problems = []
+        if not snap.consistent:
+            problems.append("a seqlock stayed odd")
+        if (snap.pid, snap.start_time, snap.pid_ns) != self._identity:
+            problems.append(f"owner {snap.pid} is not this process {self._identity[0]}")
+        if snap.name != self.name:
+            problems.append(f"name {snap.name!r} != {self.name!r}")
+        if snap.used_bytes < 0 or snap.reserved_bytes < 0:
+            problems.append(f"negative usage {snap.used_bytes}/{snap.reserved_bytes}")
+        if snap.limit_bytes < NO_LIMIT or snap.capacity_bytes < 0:
+            problems.append(f"bad limit {snap.limit_bytes} or capacity {snap.capacity_bytes}")
+        if snap.ack_request_seq > snap.request_seq or snap.ack_request_seq & 1:
+            problems.append(f"ack {snap.ack_request_seq} beyond request {snap.request_seq}")
+        if problems:
+            raise AssertionError(f"tracker {self.name!r}: " + "; ".join(problems))
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the background thread and unlink the segment (if it is still ours). Idempotent.
+
+        A forked child that inherited this object leaves its parent's segment alone.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        cancel_close_at_exit(self)
+        if os.getpid() != self._identity[0]:
+            return
+        self._wake.set()  # the thread exits at its next wake; a callback in progress completes
+        try:
+            if os.stat(self.path).st_ino == self._ino:
+                os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        # In-flight publishes on other threads keep the old view alive until they return; the
+        # mapping is released when the last reference goes.
+        self._words = memoryview(bytearray(SEGMENT_BYTES)).cast("q")
+        self._mmap = None
+        os.close(self._fd)
+
+    def __enter__(self) -> MemInfoTracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MemInfoTracker(name={self.name!r}, path={self.path!r}, closed={self._closed})"
+
+
+def _check_limit(limit_bytes: int) -> None:
+    if not isinstance(limit_bytes, int) or limit_bytes < NO_LIMIT:
+        raise KVCachedConfigError(
+            f"limit_bytes={limit_bytes!r} is invalid: give an int >= 0, or NO_LIMIT (-1)")
+
+
+def _status_code(status: str) -> int:
+    code = _STATUS_CODE.get(status)
+    if code is None:
+        raise KVCachedConfigError(f"status={status!r} is invalid: use one of {STATUS_NAMES}")
+    return code
+
+
+# Note [Seqlock without a system call]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each block has a sequence counter. Its single writer bumps it to odd, stores the fields, bumps
+# it to even; a reader reads the counters, copies the segment, reads them again and keeps the
+# copy only if all were even and unchanged (retrying otherwise). The writer never waits, so the
+# allocator's hot path costs four 8-byte stores through a memoryview of the mapping. Single
+# writer per block: publish() has no lock (the manager's allocator lock serialises it); the
+# limit block has a threading.Lock (its writers are rare); the request block is written by other
+# processes, serialised by flock. The order of the stores is the order the CPU makes them
+# visible on x86-64 (TSO); on weakly ordered CPUs (aarch64) CPython puts no fence between
+# memoryview stores, so there a reader may, rarely, keep a copy mixing two publishes. Only the
+# usage figures (monitoring) are exposed to that; the limit handshake is matched by
+# ack_request_seq, which is written last.
+#
+# Note [Limit requests]
+# ~~~~~~~~~~~~~~~~~~~~~
+# kvctl takes flock(LOCK_EX) on the segment file, picks the revision, writes the request block
+# under its seqlock and releases the lock: requesters are serialised and never see each other's
+# half-written request. The instance's background thread polls request_seq (one load per poll),
+# calls the manager's callback outside any lock of the segment, then records the outcome and
+# ack_request_seq in the limit block. Requests are idempotent by revision, so a request that is
+# superseded before the instance saw it is simply never acknowledged by its own sequence number
+# (wait_for_ack reports the later one's outcome).
+#
+# Note [Telling a dead owner]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A pid alone is not an identity: pids are reused. The segment keeps the owner's start time from
+# /proc/<pid>/stat; the owner is dead when /proc/<pid> is gone, is a zombie, or started at another
+# time. Containers sharing /dev/shm may have separate pid namespaces, where a pid means another
+# process; the segment keeps the owner's pid-namespace inode, and a reader in another namespace
+# judges only by the heartbeat (dead once it is older than STALE_AFTER_S). "stale" in a snapshot
+# means dead *or* a heartbeat older than STALE_AFTER_S (a hung owner); gc removes only the dead.
+#
+# Note [Signals and clean-up]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# close() unlinks the segment; atexit runs it at a normal exit, including one by an uncaught
+# KeyboardInterrupt. A signal whose previous disposition is SIG_DFL would kill the process
+# without atexit (SIGTERM), so the handler closes every tracker and budget handle, restores
+# SIG_DFL and re-sends the signal: the process still dies of it, with the usual exit status. A
+# previous Python handler (SIGINT's default_int_handler, a server's own) is called instead and
+# clean-up is left to the exit it leads to: unlinking then would hide a process that catches
+# KeyboardInterrupt and keeps running. SIG_IGN stays ignored. Handlers can only be installed
+# from the main thread; elsewhere atexit alone applies. A SIGKILLed owner leaves its segment
+# behind: readers see it as dead and gc_segments() removes it.

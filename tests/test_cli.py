@@ -1,0 +1,269 @@
+"""Tests of kvctl and kvtop, run as real processes (``python -m``) against real instances."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import signal
+import struct
+import sys
+import termios
+import time
+
+import pytest
+
+from _procs import ENV, Proc, kvctl, run_module, unique_name
+from kvcached.budget import delete_budget, read_budget
+from kvcached.cli.sizes import format_bytes, parse_size
+from kvcached.errors import KVCachedError
+from kvcached.mem_info_tracker import read_segment
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def _instance():
+    """A live instance watching for limit requests: capacity 4 GiB, limit 2 GiB at revision 0,
+    64 MiB used."""
+    name = unique_name("cli")
+    with Proc("hold", name, "--capacity", str(4 * GiB), "--limit", str(2 * GiB), "--used",
+              str(64 * MiB), "--watch") as proc:
+        yield name, proc
+
+
+instance = pytest.fixture(_instance)
+# For tests that send no limit request: one instance for the whole module.
+unchanged_instance = pytest.fixture(_instance, scope="module", name="unchanged_instance")
+
+
+@pytest.mark.parametrize("args", [[], ["list"], ["limit"], ["watch"], ["gc"], ["delete"],
+                                  ["budget"]])
+def test_kvctl_help(args):
+    result = kvctl(*args, "--help")
+    assert result.returncode == 0 and result.stdout.startswith("usage: kvctl")
+
+
+def test_parse_size_and_format_bytes():
+    assert parse_size("1.5G") == 3 * GiB // 2 and parse_size("512M") == 512 * MiB
+    assert parse_size("4096") == parse_size("4K") == parse_size("4KiB") == parse_size("4kb")
+    assert parse_size("10%", 1000) == 100 and parse_size("33.3%", 1000) == 333
+    assert parse_size(".5K") == 512 and parse_size("0") == 0
+    for text, message in (("1.5.5G", "malformed"), ("-1", "negative"), ("nan", "malformed"),
+                          ("101%", "above 100%"), ("5%", "no capacity")):
+        with pytest.raises(ValueError, match=message):
+            parse_size(text)
+    assert [format_bytes(n) for n in (-1, 0, 1023, 1024, 3 * GiB // 2)] == [
+        "-", "0 B", "1023 B", "1.00 KiB", "1.50 GiB"]
+
+
+def test_kvtop_help():
+    result = run_module("kvcached.cli.kvtop", "--help")
+    assert result.returncode == 0 and "--once" in result.stdout
+
+
+@pytest.mark.parametrize("args, status, message", [
+    (["limit", "no-such-instance-x", "1G"], 1, "no kvcached instance named 'no-such-instance-x'"),
+    (["limit", "{name}", "12 parsecs"], 1, "size '12 parsecs' is malformed"),
+    (["limit", "{name}", "-1G"], 1, "size '-1G' is negative"),
+    (["limit", "{name}", "-5"], 1, "size '-5' is negative"),
+    (["limit", "{name}", "150%"], 1, "above 100%"),
+    (["limit", "{name}", "1G", "--revision", "-3"], 1, "--revision -3 is negative"),
+    (["limit", "{name}", "1G", "--timeout", "-1"], 1, "--timeout -1.0 is negative"),
+    (["limit", "bad/name", "1G"], 1, "segment name 'bad/name' is invalid"),
+    (["delete", "no-such-instance-y"], 1, "no kvcached instance named 'no-such-instance-y'"),
+    (["watch", "--interval", "0"], 1, "--interval 0.0 is invalid"),
+    (["budget", "no-such-budget-z"], 1, "no budget named 'no-such-budget-z'"),
+    (["budget", "b", "10%"], 1, "no capacity is known"),
+    (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
+    (["limit", "{name}"], 2, "required: SIZE"),
+])
+def test_kvctl_bad_input(unchanged_instance, args, status, message):
+    name, _ = unchanged_instance
+    result = kvctl(*(a.format(name=name) for a in args))
+    assert result.returncode == status, result
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert read_segment(name).request_seq == 0  # nothing was sent
+
+
+def test_list_json_and_table(unchanged_instance):
+    name, proc = unchanged_instance
+    result = kvctl("list", "--json")
+    assert result.returncode == 0, result.stderr
+    records = {r["name"]: r for r in json.loads(result.stdout)}
+    mine = records[name]
+    assert (mine["pid"], mine["state"], mine["capacity_bytes"], mine["limit_bytes"],
+            mine["used_bytes"]) == (proc.pid, "alive", 4 * GiB, 2 * GiB, 64 * MiB)
+    table = kvctl("list").stdout.splitlines()
+    assert table[0].split() == ["NAME", "PID", "STATE", "LIMIT", "USED", "RESERVED", "CAPACITY",
+                                "STATUS", "REV"]
+    row = next(line for line in table if line.startswith(name + " "))
+    assert "alive" in row and "2.00 GiB" in row and "64.00 MiB" in row and "4.00 GiB" in row
+
+
+def test_limit_shrink_regrow_restore_zero(instance):
+    name, proc = instance
+    """Shrink, regrow, restore the original, a percentage, 0 (deferred: 64 MiB are in use)."""
+    steps = [("1G", GiB, "applied"), ("3G", 3 * GiB, "applied"), ("2G", 2 * GiB, "applied"),
+             ("25%", GiB, "applied"), ("0", 0, "deferred"), ("2147483648", 2 * GiB, "applied")]
+    windows = []
+    for size, limit_bytes, status in steps:
+        result = kvctl("limit", name, size, "--timeout", "10")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(f"{name}: {status} limit ")
+        snap = read_segment(name)
+        assert (snap.limit_bytes, snap.limit_status, snap.ack_status) == (limit_bytes, status,
+                                                                          status)
+        windows.append((snap.request_ns, snap.ack_ns))
+    assert read_segment(name).limit_revision == len(steps)
+    status, out, err = proc.finish()
+    assert status == 0, err
+    calls = [json.loads(line) for line in out.splitlines()]
+    assert [(c["limit_bytes"], c["revision"], c["status"]) for c in calls] == [
+        (limit_bytes, revision, status)
+        for revision, (_, limit_bytes, status) in enumerate(steps, start=1)]
+    for call, (requested_ns, acknowledged_ns) in zip(calls, windows):
+        assert requested_ns <= call["t_ns"] <= acknowledged_ns  # seen after the request, once
+
+
+def test_limit_stale_and_conflicting_revisions(instance):
+    name, _ = instance
+    assert kvctl("limit", name, "1G", "--revision", "5", "--timeout", "10").returncode == 0
+    stale = kvctl("limit", name, "512M", "--revision", "4", "--timeout", "10")
+    assert stale.returncode == 3 and "stale: its revision is 5" in stale.stderr
+    conflict = kvctl("limit", name, "512M", "--revision", "5", "--timeout", "10")
+    assert conflict.returncode == 3 and "omit --revision or pass 6" in conflict.stderr
+    same = kvctl("limit", name, "1G", "--revision", "5", "--timeout", "10")
+    assert same.returncode == 0
+    snap = read_segment(name)
+    assert (snap.limit_bytes, snap.limit_revision) == (GiB, 5)
+
+
+def test_limit_json(instance):
+    name, _ = instance
+    result = kvctl("limit", name, "512M", "--json", "--timeout", "10")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert record["acknowledged"] and record["state"]["limit_bytes"] == 512 * MiB
+    assert record["request"]["revision"] == record["state"]["limit_revision"] == 1
+
+
+def test_limit_times_out_when_nobody_watches():
+    name = unique_name("nowatch")
+    with Proc("hold", name):
+        result = kvctl("limit", name, "1G", "--timeout", "0.2")
+        assert result.returncode == 4
+        assert "did not acknowledge" in result.stderr and "stays pending" in result.stderr
+        assert read_segment(name).request_limit_bytes == GiB
+
+
+def test_dead_instance_list_gc_delete():
+    name, live = unique_name("dead"), unique_name("live")
+    with Proc("hold", live), Proc("hold", name) as doomed:
+        doomed.kill(signal.SIGKILL)
+        records = {r["name"]: r for r in json.loads(kvctl("list", "--json").stdout)}
+        assert (records[name]["state"], records[live]["state"]) == ("dead", "alive")
+        refused = kvctl("limit", name, "1G")
+        assert refused.returncode == 1 and "is dead" in refused.stderr
+        gc = kvctl("gc")
+        assert gc.returncode == 0 and f"removed segment {name} " in gc.stdout
+        assert live not in gc.stdout
+        with pytest.raises(KVCachedError):
+            read_segment(name)
+        alive = kvctl("delete", live)
+        assert alive.returncode == 1 and "is alive" in alive.stderr
+        assert kvctl("delete", live, "--force").returncode == 0
+        with pytest.raises(KVCachedError):
+            read_segment(live)
+
+
+def test_watch_prints_instances(unchanged_instance):
+    name, _ = unchanged_instance
+    result = kvctl("watch", "--count", "2", "--interval", "0.05")
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if f" + {name} " in line)
+    assert "alive" in line and "limit 2.00 GiB" in line
+
+
+def test_budget_commands():
+    name = unique_name("cli-bud")
+    try:
+        created = kvctl("budget", name, "1.5G")
+        assert created.returncode == 0 and "1.50 GiB" in created.stdout
+        assert read_budget(name).budget_bytes == 3 * GiB // 2
+        shown = json.loads(kvctl("budget", name, "--json").stdout)
+        assert (shown["budget_bytes"], shown["held_bytes"]) == (3 * GiB // 2, 0)
+        listing = kvctl("budget")
+        assert listing.returncode == 0 and name in listing.stdout
+        assert kvctl("budget", name, "-2G").returncode == 1
+        deleted = kvctl("budget", name, "--delete")
+        assert deleted.returncode == 0
+        with pytest.raises(KVCachedError):
+            read_budget(name)
+    finally:
+        try:
+            delete_budget(name, force=True)
+        except KVCachedError:
+            pass
+
+
+def test_kvtop_once_renders_every_instance(unchanged_instance):
+    name, _ = unchanged_instance
+    other = unique_name("top")
+    with Proc("hold", other, "--used", str(256 * MiB), "--reserved", str(128 * MiB)):
+        result = run_module("kvcached.cli.kvtop", "--once", "--width", "120")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    figures = next(i for i, line in enumerate(lines) if line.startswith(other + " "))
+    assert "used 256.00 MiB" in lines[figures] and "reserved 128.00 MiB" in lines[figures]
+    bar = lines[figures + 1]
+    assert len(bar) == 120 and bar.count("#") == 29 and bar.count("+") == 15  # 117 cells: 1 GiB
+    assert any(line.startswith(name + " ") for line in lines)
+    limited = lines[next(i for i, line in enumerate(lines) if line.startswith(name + " ")) + 1]
+    assert "|" in limited  # 2 GiB limit of 4 GiB capacity
+
+
+def _read_until(fd: int, needle: bytes, timeout_s: float) -> bytes:
+    screen, deadline = b"", time.monotonic() + timeout_s
+    while needle not in screen and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                screen += os.read(fd, 65536)
+            except OSError:  # the child closed the terminal
+                break
+    return screen
+
+
+def test_kvtop_in_a_terminal_follows_resize_and_quits_on_q(unchanged_instance):
+    name, _ = unchanged_instance
+    pid, fd = pty.fork()
+    if pid == 0:  # child: kvtop on the pseudo-terminal
+        os.execve(sys.executable, [sys.executable, "-m", "kvcached.cli.kvtop", "--interval",
+                                   "0.1"], {**ENV, "TERM": "xterm"})
+    try:
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+        screen = _read_until(fd, name.encode(), 20)
+        assert name.encode() in screen
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 20, 90, 0, 0))  # SIGWINCH
+        screen = _read_until(fd, name.encode(), 20)
+        assert name.encode() in screen  # redrawn after the resize
+        os.write(fd, b"q")
+        status, deadline = None, time.monotonic() + 20
+        while status is None and time.monotonic() < deadline:
+            _read_until(fd, b"\0never", 0.1)  # drain the screen so the child never blocks
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            status = os.waitstatus_to_exitcode(raw) if done else None
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    assert status == 0
+
+
+def test_kvtop_refuses_a_pipe_without_once():
+    result = run_module("kvcached.cli.kvtop")
+    assert result.returncode == 2 and "use --once" in result.stderr

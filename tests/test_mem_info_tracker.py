@@ -1,0 +1,297 @@
+"""Tests of kvcached.mem_info_tracker: real segments under /dev/shm, real processes, no mocks."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import struct
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from _procs import Proc, unique_name
+from kvcached import mem_info_tracker as mit
+from kvcached.errors import KVCachedConfigError, KVCachedError
+from kvcached.mem_info_tracker import (
+    NO_LIMIT,
+    MemInfoTracker,
+    classify_limit_request,
+    gc_segments,
+    list_segments,
+    read_segment,
+    request_limit,
+    split_limit,
+    wait_for_ack,
+)
+
+
+@pytest.fixture
+def tracker():
+    t = MemInfoTracker(unique_name("trk"), capacity_bytes=8 << 30, page_size_bytes=2 << 20)
+    yield t
+    t.close()
+
+
+def test_docstring_table_matches_layout():
+    rows = re.findall(r"^(\d+)\s+(char\[\d*\]|byte\[\]|u32|[iu]64)\s+(\w+|\(reserved\))\s",
+                      mit.__doc__, re.MULTILINE)
+    documented = {field: int(offset) for offset, _, field in rows if field != "(reserved)"}
+    assert documented == mit.OFFSETS
+    assert mit._LAYOUT.size == mit.SEGMENT_BYTES
+
+
+def test_round_trip_through_the_file(tracker):
+    tracker.publish(3 << 20, 5 << 20)
+    tracker.set_limit(6 << 30, 7, "deferred")
+    tracker.set_capacity(9 << 30)
+    snap = read_segment(tracker.name)
+    assert (snap.used_bytes, snap.reserved_bytes, snap.mapped_bytes) == (3 << 20, 5 << 20, 8 << 20)
+    assert (snap.limit_bytes, snap.limit_revision, snap.limit_status) == (6 << 30, 7, "deferred")
+    assert (snap.capacity_bytes, snap.page_size_bytes) == (9 << 30, 2 << 20)
+    assert (snap.name, snap.pid, snap.alive, snap.stale, snap.consistent) == (
+        tracker.name, os.getpid(), True, False, True)
+    with open(tracker.path, "rb") as f:
+        raw = f.read()
+    assert len(raw) == mit.SEGMENT_BYTES and raw[:4] == b"KVCT"
+    for field, value in (("used_bytes", 3 << 20), ("limit_revision", 7), ("pid", os.getpid()),
+                         ("capacity_bytes", 9 << 30), ("limit_status", 2)):
+        assert struct.unpack_from("=q", raw, mit.OFFSETS[field])[0] == value, field
+    assert raw[256:256 + len(tracker.name)] == tracker.name.encode()
+    tracker.check_invariants()
+
+
+def test_default_names_are_unique_and_listed():
+    a, b = MemInfoTracker(), MemInfoTracker()
+    try:
+        assert a.name != b.name and a.name.startswith(f"kvcached_{os.getpid()}_")
+        names = {s.name for s in list_segments()}
+        assert {a.name, b.name} <= names
+    finally:
+        a.close()
+        b.close()
+    assert not os.path.exists(a.path) and not os.path.exists(b.path)
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "x\ny", ".", "n" * 201])
+def test_invalid_names_rejected(name):
+    with pytest.raises(KVCachedConfigError, match="segment name"):
+        MemInfoTracker(name)
+
+
+def test_invalid_sizes_rejected():
+    with pytest.raises(KVCachedConfigError, match="capacity_bytes=-1"):
+        MemInfoTracker(unique_name("bad"), capacity_bytes=-1)
+    with pytest.raises(KVCachedConfigError, match="limit_bytes=-5"):
+        MemInfoTracker(unique_name("bad"), limit_bytes=-5)
+
+
+def test_name_held_by_a_live_process_is_refused(tracker):
+    with pytest.raises(KVCachedConfigError, match=f"in use by pid {os.getpid()}"):
+        MemInfoTracker(tracker.name)
+    assert read_segment(tracker.name).pid == os.getpid()
+
+
+def test_close_is_idempotent_and_publish_after_close_is_harmless():
+    t = MemInfoTracker(unique_name("close"))
+    t.close()
+    t.close()
+    t.publish(1, 2)
+    assert not os.path.exists(t.path)
+    with pytest.raises(KVCachedError, match="closed"):
+        t.snapshot()
+
+
+def test_check_invariants_catches_bad_usage(tracker):
+    tracker.publish(-1, 0)
+    with pytest.raises(AssertionError, match="negative usage"):
+        tracker.check_invariants()
+
+
+def test_reader_never_sees_a_torn_publish():
+    """A writer process publishes used = reserved = k as fast as it can; every snapshot read
+    meanwhile must show equal values, rising."""
+    name = unique_name("seqlock")
+    with Proc("writer", name, "1.5") as writer:
+        last, distinct = -1, set()
+        deadline = time.monotonic() + 1.2
+        while time.monotonic() < deadline:
+            snap = read_segment(name)
+            assert snap.consistent
+            assert snap.used_bytes == snap.reserved_bytes, snap
+            assert snap.used_bytes >= last
+            assert snap.usage_seq % 2 == 0
+            last = snap.used_bytes
+            distinct.add(last)
+        status, out, _ = writer.finish()
+    assert status == 0 and int(out.strip()) > 0
+    assert len(distinct) > 10  # the reader really ran against a moving writer
+
+
+def test_sigkilled_owner_is_stale_and_collected():
+    name = unique_name("kill")
+    with Proc("hold", name) as holder:
+        assert read_segment(name).alive
+        holder.kill(signal.SIGKILL)
+        snap = read_segment(name)
+    assert (snap.alive, snap.stale) == (False, True)
+    assert name in {s.name for s in list_segments() if s.stale}
+    assert name in gc_segments()
+    with pytest.raises(KVCachedError, match="no kvcached instance named"):
+        read_segment(name)
+
+
+def test_silent_heartbeat_is_stale_but_never_collected():
+    """An owner that is alive but whose heartbeat stopped (hung) is reported stale, not dead."""
+    with MemInfoTracker(unique_name("hung"), heartbeat_interval_s=600) as t:
+        while t.snapshot().heartbeat_ns == t.snapshot().created_ns:
+            time.sleep(0.001)  # the thread's first beat; the next is 600 s away
+        fd = os.open(t.path, os.O_RDWR)
+        try:
+            old_ns = time.time_ns() - int(2 * mit.STALE_AFTER_S * 1e9)
+            os.pwrite(fd, struct.pack("=q", old_ns), mit.OFFSETS["heartbeat_ns"])
+        finally:
+            os.close(fd)
+        snap = read_segment(t.name)
+        assert (snap.alive, snap.stale) == (True, True)
+        assert snap.heartbeat_age_s > mit.STALE_AFTER_S
+        assert t.name not in gc_segments()
+
+
+def test_gc_keeps_live_segments(tracker):
+    assert tracker.name not in gc_segments()
+    assert read_segment(tracker.name).alive
+
+
+def test_dead_owners_name_is_taken_over():
+    name = unique_name("takeover")
+    with Proc("hold", name) as holder:
+        holder.kill(signal.SIGKILL)
+    with MemInfoTracker(name) as t:
+        assert read_segment(name).pid == os.getpid()
+        t.check_invariants()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_unlinks_and_keeps_the_default_exit(signum):
+    name = unique_name("sig")
+    with Proc("hold", name) as holder:
+        path = read_segment(name).path
+        status = holder.kill(signum)
+    assert status == -signum  # died of the signal, as without kvcached
+    assert not os.path.exists(path)
+
+
+def test_sigterm_chains_to_the_programs_own_handler():
+    name = unique_name("chain")
+    with Proc("hold", name, "--own-sigterm") as holder:
+        path = read_segment(name).path
+        status = holder.kill(signal.SIGTERM)
+    assert status == 0  # the program's handler ran (sys.exit(0)); atexit unlinked
+    assert not os.path.exists(path)
+
+
+def test_normal_exit_unlinks():
+    name = unique_name("exit")
+    with Proc("hold", name) as holder:
+        path = read_segment(name).path
+        status, _, err = holder.finish()
+    assert status == 0, err
+    assert not os.path.exists(path)
+
+
+class Recorder:
+    def __init__(self, status: str = "applied") -> None:
+        self.calls, self.status = [], status
+
+    def __call__(self, limit_bytes: int, revision: int) -> dict:
+        self.calls.append((limit_bytes, revision))
+        if isinstance(self.status, Exception):
+            raise self.status
+        return {"status": self.status, "limit_bytes": limit_bytes, "revision": revision}
+
+
+def test_limit_requests_reach_the_watcher(tracker):
+    recorder = Recorder()
+    tracker.set_limit(4 << 30, 3)
+    tracker.start_watcher(recorder)
+    for limit in (1 << 30, 6 << 30, 4 << 30, 0):
+        request = request_limit(tracker.name, limit)
+        ack = wait_for_ack(request, timeout_s=10)
+        assert ack is not None and ack.ack_request_seq == request.request_seq
+        assert (ack.ack_status, ack.limit_bytes, ack.limit_revision) == (
+            "applied", limit, request.revision)
+    assert recorder.calls == [(1 << 30, 4), (6 << 30, 5), (4 << 30, 6), (0, 7)]
+    tracker.check_invariants()
+
+
+def test_stale_answer_leaves_the_limit(tracker):
+    tracker.set_limit(4 << 30, 9)
+    tracker.start_watcher(Recorder("stale"))
+    ack = wait_for_ack(request_limit(tracker.name, 1 << 30, revision=2), timeout_s=10)
+    assert (ack.ack_status, ack.limit_bytes, ack.limit_revision) == ("stale", 4 << 30, 9)
+
+
+def test_request_pending_before_the_watcher_is_handled(tracker):
+    request = request_limit(tracker.name, 123 << 20)
+    assert wait_for_ack(request, timeout_s=0.05) is None
+    recorder = Recorder("deferred")
+    tracker.start_watcher(recorder)
+    ack = wait_for_ack(request, timeout_s=10)
+    assert recorder.calls == [(123 << 20, 1)]
+    assert (ack.ack_status, ack.limit_status, ack.limit_bytes) == ("deferred", "deferred",
+                                                                   123 << 20)
+
+
+def test_failing_callback_is_acknowledged_as_error(tracker):
+    tracker.start_watcher(Recorder(RuntimeError("boom")))
+    ack = wait_for_ack(request_limit(tracker.name, 1 << 20), timeout_s=10)
+    assert ack.ack_status == "error" and ack.limit_bytes == NO_LIMIT
+    tracker.start_watcher(Recorder("nonsense"))
+    ack = wait_for_ack(request_limit(tracker.name, 2 << 20), timeout_s=10)
+    assert ack.ack_status == "error"
+
+
+def test_request_validation(tracker):
+    with pytest.raises(KVCachedConfigError, match="limit_bytes=-1"):
+        request_limit(tracker.name, -1)
+    with pytest.raises(KVCachedConfigError, match="revision=-2"):
+        request_limit(tracker.name, 0, revision=-2)
+    with pytest.raises(KVCachedError, match="no kvcached instance named"):
+        request_limit(unique_name("missing"), 0)
+    assert read_segment(tracker.name).request_seq == 0
+
+
+def test_classify_limit_request():
+    assert classify_limit_request(100, 5, 50, 4) == "stale"
+    assert classify_limit_request(100, 5, 50, 5) == "conflict"
+    assert classify_limit_request(100, 5, 100, 5) == "same"
+    assert classify_limit_request(100, 5, 0, 6) == "new"
+
+
+def test_split_limit_examples():
+    assert split_limit(10, [1, 1, 1]) == [4, 3, 3]
+    assert split_limit(10 << 20, [3 << 30, 1 << 30], page_size_bytes=2 << 20) == [8 << 20,
+                                                                                2 << 20]
+    assert split_limit(7, [0, 5]) == [0, 7]
+    assert split_limit(7, [0, 0]) == [4, 3]
+    assert split_limit(NO_LIMIT, [1, 2]) == [NO_LIMIT, NO_LIMIT]
+    assert split_limit(5, []) == []
+    with pytest.raises(KVCachedConfigError):
+        split_limit(-2, [1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(limit=st.integers(0, 1 << 40), page=st.sampled_from([0, 1, 4096, 2 << 20]),
+       capacities=st.lists(st.integers(0, 1 << 36), min_size=1, max_size=8))
+def test_split_limit_properties(limit, page, capacities):
+    shares = split_limit(limit, capacities, page)
+    unit = page or 1
+    assert sum(shares) == limit // unit * unit
+    assert all(s % unit == 0 and s >= 0 for s in shares)
+    weights = capacities if sum(capacities) else [1] * len(capacities)
+    for share, weight in zip(shares, weights):
+        exact = (limit // unit) * weight / sum(weights)
+        assert abs(share // unit - exact) < 1 + 1e-6 * exact
