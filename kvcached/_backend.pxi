@@ -191,14 +191,25 @@ cdef class Backend:
         with nogil:
             rc = self._create(size_bytes, &handle)
         if rc == _OOM:
-            raise OutOfDeviceMemory(f"create({size_bytes})", 2, "out of memory",
-                                    f"{self.free_physical_bytes()} bytes free on the {self.kind} backend")
+            cuda = self.kind == "cuda"
+            raise OutOfDeviceMemory("cuMemCreate" if cuda else "create", 2,
+                                    "CUDA_ERROR_OUT_OF_MEMORY" if cuda else "out of memory",
+                                    f"{size_bytes} bytes asked, {self.free_physical_bytes()} bytes free "
+                                    f"on the {self.kind} backend")
+        pthread_mutex_lock(&self._lock)
         self.num_creates += 1
         self.physical_bytes += size_bytes
+        pthread_mutex_unlock(&self._lock)
         return handle
 
     def release(self, uint64_t handle, size_t size_bytes):
-        """Release a handle made by create() (cache bypassed)."""
+        """Release a handle made by create() (cache bypassed).
+
+        Raises MappingError (nothing changed) for handle 0 or a size that is not a multiple of the
+        granularity; DriverError when the backend refuses the handle."""
+        if handle == 0:
+            raise MappingError("handle 0 is no handle; pass the value create() or acquire() returned")
+        self.check_aligned(size_bytes, "size_bytes")
         with nogil:
             self._release_counted(handle, size_bytes)
 
@@ -233,7 +244,11 @@ cdef class Backend:
         return None if rc == _OOM else handle
 
     def recycle(self, uint64_t handle, size_t size_bytes):
-        """Give a handle back through the cache."""
+        """Give a handle back through the cache. Raises MappingError (nothing changed) for handle 0
+        or a size that is not a multiple of the granularity."""
+        if handle == 0:
+            raise MappingError("handle 0 is no handle; pass the value create() or acquire() returned")
+        self.check_aligned(size_bytes, "size_bytes")
         with nogil:
             self.recycle_handle(handle, size_bytes)
 
@@ -246,11 +261,22 @@ cdef class Backend:
         """Keep at most `capacity` released handles for reuse (0 disables the cache)."""
         if not 0 <= capacity <= _MAX_CACHED_HANDLES:
             raise KVCachedConfigError(f"handle cache capacity {capacity} must be in [0, {_MAX_CACHED_HANDLES}]")
+        cdef uint64_t handle
+        cdef size_t size_bytes
+        pthread_mutex_lock(&self._lock)
         self.cache_capacity = capacity
-        while self.cache_count > capacity:
+        pthread_mutex_unlock(&self._lock)
+        while True:
+            pthread_mutex_lock(&self._lock)
+            if self.cache_count <= self.cache_capacity:
+                pthread_mutex_unlock(&self._lock)
+                return
             self.cache_count -= 1
-            self.cached_bytes -= self.cache_sizes[self.cache_count]
-            self._release_counted(self.cache_handles[self.cache_count], self.cache_sizes[self.cache_count])
+            handle = self.cache_handles[self.cache_count]
+            size_bytes = self.cache_sizes[self.cache_count]
+            self.cached_bytes -= size_bytes
+            pthread_mutex_unlock(&self._lock)
+            self._release_counted(handle, size_bytes)
 
     def record_fence(self, uintptr_t stream=0):
         """Record a fence on `stream` (a CUstream as int; 0 = legacy default stream) -> fence id."""
@@ -325,6 +351,11 @@ cdef class CudaBackend(Backend):
 
     def __dealloc__(self):
         if self.has_context:
+            # Cached handles hold device memory that nothing else can reach once we are gone.
+            try:
+                self.release_cached_handles()
+            except Exception:
+                pass
             try:
                 cydriver.cuDevicePrimaryCtxRelease(self.device)
             except Exception:
@@ -357,6 +388,7 @@ cdef class CudaBackend(Backend):
         return rc
 
     cdef int _release(self, uint64_t handle, size_t size_bytes) except -1 nogil:
+        self._bind()
         return check(cydriver.cuMemRelease(<cydriver.CUmemGenericAllocationHandle>handle), "cuMemRelease")
 
     cdef int _map(self, uintptr_t address, size_t size_bytes, uint64_t handle) except -1 nogil:
@@ -365,6 +397,7 @@ cdef class CudaBackend(Backend):
                                        <cydriver.CUmemGenericAllocationHandle>handle, 0), "cuMemMap")
 
     cdef int _set_access(self, uintptr_t address, size_t size_bytes, bint writable) except -1 nogil:
+        self._bind()
         return check(cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>address, size_bytes,
                                              &self.access_rw if writable else &self.access_ro, 1),
                      "cuMemSetAccess")
@@ -411,6 +444,9 @@ cdef size_t _host_total_memory():
 
 cdef class HostBackend(Backend):
     """Host-memory VMM backend with the GPU backend's semantics (Note [Host backend])."""
+
+    def __cinit__(self, *args, **kwargs):
+        self.fd = -1    # 0 would be stdin: __dealloc__ after a failed __init__ must close nothing
 
     def __init__(self, size_t granularity=2 << 20, capacity_bytes=None):
         page = _os.sysconf("SC_PAGE_SIZE")

@@ -1,5 +1,37 @@
 # PageTable: what one page id maps, mapped all-or-nothing. See Note [Page table].
 
+cdef int _check_ranges_alive(list ranges) except -1:
+    """Raise MappingError if a range was freed: its addresses may belong to someone else now."""
+    cdef VirtualRange r
+    for r in ranges:
+        if r.freed:
+            raise MappingError(f"{r!r} of this page table was freed; its addresses may belong to someone "
+                               f"else now, so nothing is mapped or unmapped there")
+    return 0
+
+
+cdef void _trim_handle_cache(Backend backend, int keep) noexcept nogil:
+    """Release cached handles from the top of the cache until `keep` remain (best effort).
+
+    A failed map recycles what it acquired: the cache hits go back where they were, but handles
+    it created would stay cached, holding memory the caller did not have before the call. They
+    were pushed last, so releasing the top down to the count seen at the start undoes exactly
+    them. See Note [Page table]."""
+    cdef uint64_t handle
+    cdef size_t size_bytes
+    while True:
+        pthread_mutex_lock(&backend._lock)
+        if backend.cache_count <= keep:
+            pthread_mutex_unlock(&backend._lock)
+            return
+        backend.cache_count -= 1
+        handle = backend.cache_handles[backend.cache_count]
+        size_bytes = backend.cache_sizes[backend.cache_count]
+        backend.cached_bytes -= size_bytes
+        pthread_mutex_unlock(&backend._lock)
+        backend._release_counted(handle, size_bytes)
+
+
 cdef enum:
     _STAGE_NONE = 0        # nothing done for the segment in progress
     _STAGE_ACQUIRED = 1    # its handle acquired
@@ -30,10 +62,21 @@ cdef class PageTable:
         if num_pages <= 0 or not segments:
             raise KVCachedConfigError(f"a page table needs num_pages > 0 and segments (got {num_pages}, {len(segments)})")
         backend.check_aligned(map_bytes, "map_bytes")
+        span_bytes = <object>map_bytes * <object>num_pages     # Python ints: no size_t wrap-around
+        spans = []
         for r, offset in segments:
             if r.backend is not backend:
                 raise MappingError("every segment's range must belong to the page table's backend")
-            r.check_offset(offset, map_bytes * <size_t>num_pages)
+            if r.freed:
+                raise MappingError(f"{r!r} was freed; reserve a new range")
+            r.check_offset(offset, span_bytes)
+            spans.append((r.address + offset, len(spans)))
+        spans.sort()
+        for (start, i), (next_start, j) in zip(spans, spans[1:]):
+            if next_start < start + span_bytes:
+                raise MappingError(
+                    f"segments {i} and {j} overlap: each spans {span_bytes} bytes (map_bytes x num_pages) "
+                    f"from 0x{start:x} and 0x{next_start:x}; give each its own offsets")
         self.backend = backend
         self.num_pages = num_pages
         self.num_segments = len(segments)
@@ -57,12 +100,16 @@ cdef class PageTable:
             raise OutOfDeviceMemory("zero page", 2, "out of memory", f"{self.map_bytes} bytes for the shared zero page")
         self.zero_handle = handle
         self.zero_page = True
+        # The handle may come from the cache, holding a former page's data: zero it on both backends.
         if isinstance(self.backend, CudaBackend):
             address = self.segment_base[0]
             self.backend._map(address, self.map_bytes, handle)
             self.backend._set_access(address, self.map_bytes, True)
             (<CudaBackend>self.backend).memset(address, 0, self.map_bytes)
             self.backend._unmap(address, self.map_bytes)
+        elif isinstance(self.backend, HostBackend):
+            check_os(fallocate((<HostBackend>self.backend).fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                               <long>(handle - 1), <long>self.map_bytes) != 0, "fallocate(PUNCH_HOLE)")
         with nogil:
             for p in range(self.num_pages):
                 for s in range(self.num_segments):
@@ -87,11 +134,13 @@ cdef class PageTable:
         Returns 0, or _OOM with the table exactly as before. On a driver error, undoes this
         call's steps and raises."""
         cdef int pages_done = 0, segments_done = 0, stage = _STAGE_NONE, rc = -1
+        cdef int cached_before = self.backend.cache_count    # a racy read is fine: see _trim_handle_cache
         try:
             rc = self._map_forward(page_ids, n, &pages_done, &segments_done, &stage)
         finally:
             if rc != 0:
                 self._map_rollback(page_ids, pages_done, segments_done, stage)
+                _trim_handle_cache(self.backend, cached_before)
         return rc
 
     cdef int _map_forward(self, const int32_t* page_ids, int n, int* pages_done, int* segments_done,
@@ -186,7 +235,14 @@ cdef class PageTable:
     # -- Python surface: validates, then calls the data path ---------------------------------
     cdef object _checked_ids(self, page_ids, bint want_mapped):
         import numpy as np
-        ids = np.ascontiguousarray(np.asarray(page_ids, dtype=np.int64).reshape(-1))
+        ids = np.asarray(page_ids)
+        if ids.size == 0:
+            return np.empty(0, dtype=np.int32)
+        if ids.dtype.kind not in "iu":
+            raise MappingError(f"page ids must be integers, got dtype {ids.dtype} ({page_ids!r:.80})")
+        if ids.dtype.kind == "u" and ids.max() >= self.num_pages:
+            raise MappingError(f"page id {ids.max()} is out of range [0, {self.num_pages})")
+        ids = np.ascontiguousarray(ids.astype(np.int64).reshape(-1))
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_pages):
             bad = ids[(ids < 0) | (ids >= self.num_pages)][0]
             raise MappingError(f"page id {bad} is out of range [0, {self.num_pages})")
@@ -200,8 +256,9 @@ cdef class PageTable:
     def map(self, page_ids) -> bool:
         """Map the given page ids, all or nothing. Returns False (nothing changed) when out of
         memory. Raises MappingError for an id out of range, repeated or already mapped."""
-        cdef int32_t[::1] ids = self._checked_ids(page_ids, False)
         cdef int rc = 0
+        cdef int32_t[::1] ids = self._checked_ids(page_ids, False)
+        _check_ranges_alive(self.ranges)
         if ids.shape[0] == 0:
             return True
         with nogil:
@@ -212,6 +269,7 @@ cdef class PageTable:
         """Unmap the given page ids. Raises MappingError (nothing changed) for an id out of range,
         repeated or not mapped."""
         cdef int32_t[::1] ids = self._checked_ids(page_ids, True)
+        _check_ranges_alive(self.ranges)
         if ids.shape[0] == 0:
             return
         with nogil:
@@ -247,6 +305,8 @@ cdef class PageTable:
         cdef uintptr_t address
         if self.handles == NULL:
             return
+        if self.num_mapped or self.zero_page:
+            _check_ranges_alive(self.ranges)
         for p in range(self.num_pages):
             if self.mapped[p]:
                 for s in range(self.num_segments):
@@ -266,19 +326,30 @@ cdef class PageTable:
     def check_invariants(self):
         """O(pages · segments): handles present exactly for mapped page ids; counters agree."""
         count = 0
+        seen = set()
         for p in range(self.num_pages):
             for s in range(self.num_segments):
-                has = self.handles[<size_t>p * self.num_segments + s] != 0
+                handle = self.handles[<size_t>p * self.num_segments + s]
+                has = handle != 0
                 assert has == bool(self.mapped[p]), f"page {p} segment {s}: handle {has}, mapped {self.mapped[p]}"
+                if has:
+                    assert handle not in seen, f"page {p} segment {s}: handle {handle} mapped twice"
+                    assert handle != self.zero_handle, f"page {p} segment {s}: holds the zero page's handle"
+                    seen.add(handle)
             count += self.mapped[p]
         assert count == self.num_mapped, f"num_mapped {self.num_mapped} != {count}"
+        assert self.zero_page == (self.zero_handle != 0), f"zero_page {self.zero_page}, zero handle {self.zero_handle}"
 
 # Note [Page table]
 # A page id is the unit the allocator hands out, and one page id may need several mappings
 # (per_layer: one per (layer, K/V) buffer). map_pages is all-or-nothing: it records how far it got
 # (pages done, segments of the page in progress, and the stage of the segment in progress), and on
 # out of memory or a driver error undoes exactly those steps, so the caller sees the table as it
-# was. Handles go back through the backend's cache, so a page unmapped and mapped again soon after
-# skips cuMemCreate. With the zero page on, an unmapped page id shows the one shared zero page,
-# read-only: engines that read unallocated blocks (padding) read zeros instead of faulting, at the
-# price of mapping every page id at creation and an extra unmap + map per page map and unmap.
+# was, live memory included: handles this call created are released again rather than left in the
+# cache (physical and cached bytes as before); only the cumulative counters (num_creates,
+# num_releases, num_cache_hits) show the attempt. Handles go back through the backend's cache, so a
+# page unmapped and mapped again soon after skips cuMemCreate. With the zero page on, an unmapped
+# page id shows the one shared zero page, read-only: engines that read unallocated blocks (padding)
+# read zeros instead of faulting, at the price of mapping every page id at creation and an extra
+# unmap + map per page map and unmap. The zero page's handle may come from the cache, so it is
+# zeroed when the table is made.

@@ -1,5 +1,7 @@
 # VirtualRange and its zero-copy export to torch through DLPack. See Note [DLPack export].
 
+import operator as _operator
+
 cdef extern from *:
     """
     typedef struct { int32_t device_type; int32_t device_id; } kvc_DLDevice;
@@ -90,9 +92,17 @@ cdef class VirtualRange:
     def __repr__(self):
         return f"VirtualRange({self.backend.kind}, address=0x{self.address:x}, size_bytes={self.size_bytes})"
 
-    def check_offset(self, size_t offset_bytes, size_t size_bytes):
-        """Raise MappingError unless [offset, offset + size) is granularity-aligned and inside."""
+    def check_offset(self, offset_bytes, size_bytes):
+        """Raise MappingError unless [offset, offset + size) is granularity-aligned and inside.
+
+        Python integers, so a negative or huge value is refused instead of wrapping around."""
         g = self.backend.granularity
+        try:
+            offset_bytes, size_bytes = _operator.index(offset_bytes), _operator.index(size_bytes)
+        except TypeError:
+            raise MappingError(f"offset {offset_bytes!r} and size {size_bytes!r} must be integers (bytes)") from None
+        if offset_bytes < 0 or size_bytes <= 0:
+            raise MappingError(f"offset {offset_bytes} must be >= 0 and size {size_bytes} > 0")
         if offset_bytes % g or size_bytes % g:
             raise MappingError(f"offset {offset_bytes} / size {size_bytes} is not aligned to the granularity {g}")
         if offset_bytes + size_bytes > self.size_bytes:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import KVCachedConfigError
+from .sizes import SIZE_HELP, parse_size
 
 LAYOUTS = ("auto", "per_layer", "interleaved", "page_grouped")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -63,6 +64,10 @@ def _bool(text: str) -> bool:
     raise ValueError("must be 0/1, true/false, yes/no or on/off")
 
 
+def _size(text: str) -> int:
+    return parse_size(text)
+
+
 def _name(text: str) -> str:
     value = text.strip()
     if not value or "/" in value or len(value) > 200:
@@ -87,6 +92,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Name of this instance's shared-memory segment; default kvcached_<pid>_<n>."),
     Setting("KVCACHED_GLOBAL_BUDGET", _name, None,
             "Name of a shared budget segment; instances naming the same one never map more in sum."),
+    Setting("KVCACHED_GLOBAL_BUDGET_BYTES", _size, None,
+            f"Size of the global budget, used when this instance creates it: {SIZE_HELP}."),
     Setting("KVCACHED_LOG_LEVEL", _choice(LOG_LEVELS, upper=True), "WARNING",
             "Logging level of the kvcached logger."),
     Setting("KVCACHED_DEBUG_CHECKS", _bool, False,
@@ -104,6 +111,7 @@ class Settings:
     idle_trim_s: float
     ipc_name: str | None
     global_budget: str | None
+    global_budget_bytes: int | None
     log_level: str
     debug_checks: bool
 

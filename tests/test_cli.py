@@ -17,7 +17,7 @@ import pytest
 
 from _procs import ENV, Proc, kvctl, run_module, unique_name
 from kvcached.budget import delete_budget, read_budget
-from kvcached.cli.sizes import format_bytes, parse_size
+from kvcached.sizes import format_bytes, parse_size
 from kvcached.errors import KVCachedError
 from kvcached.mem_info_tracker import read_segment
 

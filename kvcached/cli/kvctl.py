@@ -26,7 +26,7 @@ from ..mem_info_tracker import (
     scan_segments,
     wait_for_ack,
 )
-from .sizes import SIZE_HELP, format_bytes, parse_size
+from ..sizes import SIZE_HELP, format_bytes, parse_size
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REJECTED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 # argparse takes "-1G" for an unknown option; a leading space makes it a value, which the command

@@ -17,7 +17,7 @@ import time
 
 from ..mem_info_tracker import Snapshot, list_segments
 from .kvctl import state_of
-from .sizes import format_bytes
+from ..sizes import format_bytes
 
 LEGEND = "# used  + reserved  . free  | limit"
 

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The GPU machine's check, run unattended from the repo root (offline):
+#   build in place, the `gpu` tests, the VMM benchmark, then the whole CPU suite.
+# Every step logs to $OUT/<step>.log; a failing step does not stop the next; a summary ends it and
+# the exit status is the number of failed steps (0 = all passed).
+#
+#   OUT=/some/dir bash scripts/gpu_check.sh          # OUT defaults to ./gpu_out
+#
+# To add a step: write a function step_<name> below and append <name> to STEPS (order matters:
+# `build` first; GPU_CHECK_STEPS="a b" runs a subset). E.g. for the allocator benchmark:
+#   step_bench_alloc() { python benchmarks/bench_alloc.py --device cuda --json "$OUT/bench_alloc.json"; }
+#   STEPS+=(bench_alloc)
+set -o pipefail
+set -u
+
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./gpu_out}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+export PYTHONUNBUFFERED=1
+PYTHON="${PYTHON:-python3}"
+
+step_env() {
+    "$PYTHON" - <<'EOF'
+import platform, subprocess
+print("python", platform.python_version())
+for name in ("torch", "cuda.bindings", "Cython", "numpy", "hypothesis", "pytest"):
+    try:
+        module = __import__(name, fromlist=["__version__"])
+        print(name, getattr(module, "__version__", "?"))
+    except Exception as exc:
+        print(name, "missing:", exc)
+try:
+    import torch
+    print("cuda available:", torch.cuda.is_available(), torch.version.cuda,
+          torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+except Exception as exc:
+    print("torch:", exc)
+try:
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,memory.used",
+                          "--format=csv"], capture_output=True, text=True).stdout)
+except OSError as exc:
+    print("nvidia-smi:", exc)
+EOF
+}
+
+step_build() {
+    # /usr/bin g++: an /opt/gcc build of a C++ extension crashed in libstdc++ (DESIGN.md section 3).
+    CC=/usr/bin/gcc CXX=/usr/bin/g++ "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -e . &&
+        "$PYTHON" -c "from kvcached import _core; print('probe:', _core.cuda_unavailable_reason())"
+}
+
+step_gpu_tests() {
+    "$PYTHON" -m pytest -m gpu tests -q -p no:cacheprovider -ra
+}
+
+step_bench_vmm() {
+    "$PYTHON" benchmarks/bench_vmm.py --device cuda --json "$OUT/bench_vmm.json"
+}
+
+step_cpu_tests() {
+    "$PYTHON" -m pytest tests -q -x -p no:cacheprovider
+}
+
+STEPS=(env build gpu_tests bench_vmm cpu_tests)
+# GPU_CHECK_STEPS="gpu_tests bench_vmm" runs a subset (e.g. when already built).
+if [[ -n "${GPU_CHECK_STEPS:-}" ]]; then
+    read -ra STEPS <<<"$GPU_CHECK_STEPS"
+fi
+
+declare -A RESULT SECONDS_TAKEN
+failed=0
+for step in "${STEPS[@]}"; do
+    echo "=== $step ($(date -u +%H:%M:%S)) -> $OUT/$step.log"
+    start=$(date +%s)
+    if "step_$step" 2>&1 | tee "$OUT/$step.log"; then
+        RESULT[$step]=ok
+    else
+        RESULT[$step]="FAILED (rc ${PIPESTATUS[0]})"
+        failed=$((failed + 1))
+    fi
+    SECONDS_TAKEN[$step]=$(($(date +%s) - start))
+done
+
+{
+    echo
+    echo "=== summary (logs in $OUT)"
+    for step in "${STEPS[@]}"; do
+        printf '  %-12s %-18s %4ss  %s\n' "$step" "${RESULT[$step]}" "${SECONDS_TAKEN[$step]}" \
+            "$(tail -n 1 "$OUT/$step.log" 2>/dev/null | cut -c1-100)"
+    done
+} | tee "$OUT/summary.log"
+exit "$failed"
