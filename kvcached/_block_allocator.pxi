@@ -103,6 +103,7 @@ cdef class BlockAllocator:
         self.slots = <int32_t*>malloc(max(1, self.total_blocks) * sizeof(int32_t))
         self.page_free = <int32_t*>calloc(P, sizeof(int32_t))
         self.page_owned = <uint8_t*>calloc(P, sizeof(uint8_t))
+        self.page_mark = <uint8_t*>calloc(max(1, P), sizeof(uint8_t))
         self.block_state = <uint8_t*>malloc(max(1, max_block_id) * sizeof(uint8_t))
         self.bucket_head = <int32_t*>malloc((self.max_blocks_per_page + 1) * sizeof(int32_t))
         self.page_next = <int32_t*>malloc(P * sizeof(int32_t))
@@ -112,7 +113,7 @@ cdef class BlockAllocator:
         self.held = <int32_t*>malloc(max(1, self.total_blocks) * sizeof(int32_t))
         self.page_buf = <int32_t*>malloc(max(1, P) * sizeof(int32_t))
         if (self.page_first == NULL or self.page_blocks == NULL or self.slot_base == NULL or self.slots == NULL
-                or self.page_free == NULL or self.page_owned == NULL or self.block_state == NULL
+                or self.page_free == NULL or self.page_owned == NULL or self.page_mark == NULL or self.block_state == NULL
                 or self.bucket_head == NULL or self.page_next == NULL or self.page_prev == NULL
                 or self.bucket_bits == NULL or self.held == NULL or self.page_buf == NULL):
             raise MemoryError("no memory for the block allocator")
@@ -171,6 +172,7 @@ cdef class BlockAllocator:
         free(self.slots)
         free(self.page_free)
         free(self.page_owned)
+        free(self.page_mark)
         free(self.block_state)
         free(self.bucket_head)
         free(self.page_next)
@@ -313,7 +315,7 @@ cdef class BlockAllocator:
         """Free ids[0..n): returns 0 with the pages that became empty in page_buf[0..n_empty)
         (no longer owned; the caller returns them), or _BAD_ID with nothing changed and
         bad = [id, reason] (0 unknown, 1 not allocated, 2 repeated in this call)."""
-        cdef int i, j, f, ne = 0
+        cdef int i, j, f, ne = 0, nt = 0
         cdef int32_t b, p
         cdef uint8_t s
         for i in range(n):
@@ -326,28 +328,38 @@ cdef class BlockAllocator:
                     self.block_state[ids[j]] = _BS_ALLOCATED
                 return _BAD_ID
             self.block_state[b] = _BS_MARK
+        # Group by page in one pass: consecutive ids of one page skip the division, and each
+        # page leaves its bucket once, on first touch, and re-enters it once at the end.
+        p = -1
         for i in range(n):
             b = ids[i]
             self.block_state[b] = _BS_FREE
-            p = <int32_t>((<int64_t>b * self.id_to_page_num) // self.id_to_page_den)
+            if p < 0 or <uint32_t>(b - self.page_first[p]) >= <uint32_t>self.page_blocks[p]:
+                p = <int32_t>((<int64_t>b * self.id_to_page_num) // self.id_to_page_den)
+                if not self.page_mark[p]:
+                    self.page_mark[p] = 1
+                    f = self.page_free[p]
+                    if f > 0:
+                        self._bucket_remove(p, f)
+                    self.page_buf[nt] = p
+                    nt += 1
             f = self.page_free[p]
-            if f > 0:
-                self._bucket_remove(p, f)
             self.slots[self.slot_base[p] + f] = b
-            f += 1
-            self.page_free[p] = f
+            self.page_free[p] = f + 1
+        self.partial_free += n
+        for j in range(nt):
+            p = self.page_buf[j]
+            self.page_mark[p] = 0
+            f = self.page_free[p]
             if f == self.page_blocks[p]:
                 self.page_buf[ne] = p
                 ne += 1
+                self.page_owned[p] = 0
+                self.partial_free -= f
+                self.page_free[p] = 0
+                self.num_owned -= 1
             else:
                 self._bucket_insert(p, f)
-        self.partial_free += n
-        for i in range(ne):
-            p = self.page_buf[i]
-            self.page_owned[p] = 0
-            self.partial_free -= self.page_blocks[p]
-            self.page_free[p] = 0
-            self.num_owned -= 1
         self.num_allocated -= n
         self.num_frees += 1
         n_empty[0] = ne

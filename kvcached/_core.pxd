@@ -245,6 +245,7 @@ cdef class BlockAllocator:
     cdef int32_t* slots                         # free-id stacks, one per page, total_blocks long
     cdef int32_t* page_free                     # [page] free ids of an owned page (stack height)
     cdef uint8_t* page_owned                    # [page] 1: taken from the page allocator and not returned
+    cdef uint8_t* page_mark                     # [page] scratch inside _free_locked: touched in this call
     cdef uint8_t* block_state                   # [block] one of _BS_*
     cdef int32_t* bucket_head                   # [free count] first partially used page with that many free; -1 none
     cdef int32_t* page_next                     # [page] bucket list links
