@@ -82,7 +82,8 @@ def state_of(s: Stack) -> dict:
     result = {k: st[k] for k in keep}
     result["mapped_ids"] = s.table.mapped_page_ids()
     result["page_states"] = s.pages.page_states().tolist()
-    result["physical_bytes"] = s.backend.physical_bytes
+    # handles rolled back go to the backend's cache; memory behind mappings must not change
+    result["mapped_physical_bytes"] = s.backend.physical_bytes - s.backend.cached_bytes
     if s.blocks is not None:
         result["block_states"] = s.blocks.block_states().tolist()
         b = s.blocks.stats()
