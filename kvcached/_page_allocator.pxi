@@ -618,13 +618,14 @@ cdef class PageAllocator:
         return 0
 
     def _run(self):
-        cdef int rc = 0
+        # The whole loop runs without the GIL (taking it back after every round would make the
+        # thread wait a switch interval behind a busy Python caller); only errors come back here.
         while True:
             try:
                 with nogil:
-                    rc = self._bg_step()
-                if rc:
-                    return
+                    while self._bg_step() == 0:
+                        pass
+                return
             except BaseException as exc:  # keep serving; the owner reads last_error
                 self.last_error = exc
                 with nogil:
