@@ -148,7 +148,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.b.check_invariants()
 
 
-SETTINGS = settings(max_examples=100, stateful_step_count=50, deadline=None,
+SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
