@@ -100,3 +100,175 @@ cdef class PageTable:
     cdef int _unmap_segment(self, int32_t page_id, int segment) except -1 nogil
     cdef void _remap_zero(self, uintptr_t address) noexcept nogil
     cdef object _checked_ids(self, page_ids, bint want_mapped)
+
+
+# -- page allocator and block allocator ------------------------------------------------------
+# Lock order (see Note [Allocator locks] in _block_allocator.pxi): BlockAllocator.lock ->
+# PageAllocator.map_lock -> PageAllocator.lock -> Backend._lock. Nothing is waited on in the
+# other direction.
+
+cdef extern from "<pthread.h>" nogil:
+    ctypedef struct pthread_cond_t:
+        pass
+    ctypedef struct pthread_condattr_t:
+        pass
+    int pthread_mutex_trylock(pthread_mutex_t*)
+    int pthread_condattr_init(pthread_condattr_t*)
+    int pthread_condattr_setclock(pthread_condattr_t*, int)
+    int pthread_condattr_destroy(pthread_condattr_t*)
+    int pthread_cond_init(pthread_cond_t*, pthread_condattr_t*)
+    int pthread_cond_destroy(pthread_cond_t*)
+    int pthread_cond_signal(pthread_cond_t*)
+    int pthread_cond_timedwait(pthread_cond_t*, pthread_mutex_t*, const void*)
+
+cdef extern from "<time.h>" nogil:
+    cdef struct timespec:
+        long tv_sec
+        long tv_nsec
+    int clock_gettime(int, timespec*)
+    int CLOCK_MONOTONIC
+
+cdef enum:
+    _NEED_SLOW = 2      # a fast (GIL-held, driver-free) worker could not serve: retry the slow way
+    _BAD_ID = 3         # BlockAllocator._free_locked: an id is unknown / not allocated / repeated
+
+cdef enum:
+    # PageAllocator.state[page_id]; every page id of the table is in exactly one state
+    _PS_OUTSIDE = 0     # not handed out: at or above capacity_pages, or holds no block (weight 0)
+    _PS_FREE = 1        # below capacity, unmapped, in the free set
+    _PS_POOL = 2        # mapped, unused: the reserved pool
+    _PS_USED = 3        # mapped, handed out by take_pages / take_blocks
+    _PS_PENDING = 4     # returned, still mapped until its fence is done (then unmapped)
+    _PS_TRANSIT = 5     # being mapped or unmapped by the holder of map_lock
+
+cdef enum:
+    # BlockAllocator.block_state[block_id]
+    _BS_FREE = 0        # a valid id, not allocated (its page may or may not be mapped)
+    _BS_ALLOCATED = 1   # handed out by alloc
+    _BS_INVALID = 2     # in no page's interval (straddles two pages, or beyond the last page)
+    _BS_HELD = 3        # allocated on behalf of try_to_reserve, not yet handed out
+    _BS_MARK = 4        # transient, inside free(): seen once in this call
+
+
+cdef class PageAllocator:
+    cdef readonly PageTable table
+    cdef readonly Backend backend
+    cdef pthread_mutex_t lock                   # state lock: everything below; never held across a driver or Python call
+    cdef pthread_mutex_t map_lock               # serialises page-table calls (map/unmap); waited on only without the GIL
+    cdef pthread_cond_t wake                    # the background thread sleeps on it (with `lock`)
+    cdef readonly int num_table_pages           # the table's num_pages: capacity never exceeds it
+    cdef readonly int capacity_pages            # page ids [0, capacity_pages) may be handed out
+    cdef readonly int min_reserved              # background thread keeps the pool at least this big
+    cdef readonly int max_reserved              # returned pages beyond this many pooled ones are unmapped
+    cdef readonly double idle_trim_s            # trim the pool after this long without take/return; 0 off
+    cdef readonly int limit_pages               # in-use + pool never exceed it; -1 = no limit
+    cdef public uintptr_t stream                # CUstream the fences of returned pages are recorded on
+    cdef readonly size_t page_bytes             # physical bytes of one page id (all its segments)
+    cdef uint8_t* state                         # [page] one of _PS_*
+    cdef int32_t* weight                        # [page] blocks the page holds (1 until a BlockAllocator binds)
+    cdef bint weights_bound                     # a BlockAllocator set the weights
+    cdef int32_t* fw_count                      # Fenwick tree over page ids: 1 per free id
+    cdef int64_t* fw_weight                     # Fenwick tree over page ids: weight per free id
+    cdef int fw_top                             # highest power of two <= num_table_pages
+    cdef int num_free                           # ids in the free set
+    cdef int num_pool                           # ids in the pool
+    cdef int num_used                           # ids handed out
+    cdef int num_pending                        # ids waiting for their fence
+    cdef int num_transit                        # ids in flight under map_lock
+    cdef int64_t pool_weight                    # sum of the weights of the pool's ids
+    cdef int32_t* pool                          # the pool, a stack (top = most recently returned)
+    cdef int32_t* pend_ids                      # ring of pending ids, FIFO, batches contiguous
+    cdef int pend_head                          # index of the oldest pending id in pend_ids
+    cdef uintptr_t* batch_fence                 # ring of pending batches: the fence of each
+    cdef int32_t* batch_count                   # ring of pending batches: ids in each
+    cdef int batch_head                         # index of the oldest batch
+    cdef int num_batches                        # batches in the ring
+    cdef int32_t* scratch                       # ids being unmapped; used only by the holder of map_lock
+    cdef size_t phys_snapshot                   # backend's free physical bytes when last asked
+    cdef size_t phys_base                       # backend.physical_bytes at that moment
+    cdef double phys_time                       # monotonic seconds of that snapshot
+    cdef bint has_gate                          # an external budget gate is set
+    cdef object gate_acquire                    # acquire(nbytes) -> bool, called before mapping
+    cdef object gate_release                    # release(nbytes), called after unmapping
+    cdef bint bg_running                        # the background thread is running (signal it)
+    cdef bint bg_stopping                       # stop() asked it to exit
+    cdef bint bg_backoff                        # its last refill failed: sleep a full period first
+    cdef bint idle_trimmed                      # pool trimmed (idle or trim()): no refill until activity
+    cdef uint64_t activity                      # take/return calls, for the idle policy
+    cdef uint64_t bg_seen_activity              # background thread: `activity` when it last looked
+    cdef double bg_active_time                  # background thread: when it last saw activity change
+    cdef object thread                          # the threading.Thread, or None
+    cdef public object last_error               # last exception the background thread caught
+    # counters
+    cdef uint64_t num_maps, num_unmaps, num_pool_hits, num_slow_path, num_oom
+    cdef uint64_t num_fences, num_idle_trims, num_refills
+
+    # the data path (callers: BlockAllocator, the manager); see each docstring for its locks
+    cdef int take_pages(self, int n, int32_t* out) except -1 nogil                    # 0 / _OOM
+    cdef int take_blocks(self, int64_t need, int32_t* out, int* n_out) except -1 nogil # 0 / _OOM
+    cdef int take_pool(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil  # 0 / _NEED_SLOW
+    cdef int return_pages(self, int n, const int32_t* ids) except -1 nogil
+    cdef int return_pages_fast(self, int n, const int32_t* ids) noexcept nogil        # 0 / _NEED_SLOW
+    cdef int64_t available_weight(self, bint by_weight) noexcept nogil
+    # internals
+    cdef int _take(self, int64_t need, bint by_weight, int32_t* out, int* n_out) except -1 nogil
+    cdef int _take_pool_locked(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil
+    cdef void _unpop_pool(self, int n, const int32_t* ids) noexcept nogil
+    cdef void _fw_add(self, int32_t page_id, int sign) noexcept nogil
+    cdef int32_t _fw_pop_lowest(self) noexcept nogil
+    cdef int _fw_count_for_weight(self, int64_t need) noexcept nogil
+    cdef int64_t _fw_weight_of_lowest(self, int k) noexcept nogil
+    cdef void _release_page(self, int32_t page_id) noexcept nogil
+    cdef int _drain(self, bint wait_all) except -1 nogil
+    cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil
+    cdef int _pool_out(self, int keep, int below) except -1 nogil
+    cdef int _refill(self) except -1 nogil
+    cdef int _refresh_physical(self) except -1 nogil
+    cdef int _gate_acquire(self, int n) except -1 nogil
+    cdef int _gate_release(self, int n) except -1 nogil
+    cdef int _bg_step(self) except -1 nogil
+    cdef int _bind_weights(self, const int32_t* weights) except -1
+
+
+cdef class BlockAllocator:
+    cdef readonly PageAllocator pages
+    cdef pthread_mutex_t lock                   # guards everything below; see Note [Allocator locks]
+    cdef readonly int num_pages                 # the page table's page ids
+    cdef readonly int32_t max_block_id          # ids are < max_block_id
+    cdef readonly int64_t id_to_page_num        # page of block b = b * num // den
+    cdef readonly int64_t id_to_page_den
+    cdef readonly int max_blocks_per_page       # largest page_num_blocks
+    cdef readonly int64_t total_blocks          # sum of page_num_blocks
+    cdef int32_t* page_first                    # [page] first block id of the page's interval
+    cdef int32_t* page_blocks                   # [page] blocks in the interval
+    cdef int64_t* slot_base                     # [page] where the page's free-id stack starts in `slots`
+    cdef int32_t* slots                         # free-id stacks, one per page, total_blocks long
+    cdef int32_t* page_free                     # [page] free ids of an owned page (stack height)
+    cdef uint8_t* page_owned                    # [page] 1: taken from the page allocator and not returned
+    cdef uint8_t* page_mark                     # [page] scratch inside _free_locked: touched in this call
+    cdef uint8_t* block_state                   # [block] one of _BS_*
+    cdef int32_t* bucket_head                   # [free count] first partially used page with that many free; -1 none
+    cdef int32_t* page_next                     # [page] bucket list links
+    cdef int32_t* page_prev
+    cdef uint64_t* bucket_bits                  # bit f set: bucket f not empty
+    cdef int bucket_words                       # 64-bit words of bucket_bits
+    cdef int64_t partial_free                   # free ids in owned pages
+    cdef int64_t num_allocated                  # ids handed out by alloc (held ids not counted)
+    cdef int32_t* held                          # try_to_reserve's ids, a stack
+    cdef int64_t num_held
+    cdef int num_owned                          # owned pages
+    cdef int32_t* page_buf                      # page ids to/from the page allocator; used under `lock`
+    cdef public bint debug_checks               # check_invariants() after every public call
+    cdef uint64_t num_allocs, num_frees, num_failed_allocs
+
+    cdef int _alloc_locked(self, int n, int32_t* out, bint may_block, bint use_held) except -1 nogil  # 0 / _OOM / _NEED_SLOW
+    cdef int _free_locked(self, int n, const int32_t* ids, int* n_empty, int64_t* bad) noexcept nogil  # 0 / _BAD_ID
+    cdef void _adopt(self, int32_t page_id) noexcept nogil
+    cdef void _bucket_insert(self, int32_t page_id, int count) noexcept nogil
+    cdef void _bucket_remove(self, int32_t page_id, int count) noexcept nogil
+    cdef int _bucket_at_least(self, int count) noexcept nogil
+    cdef int _bucket_highest(self) noexcept nogil
+    cdef int _take_from(self, int32_t page_id, int k, int32_t* out) noexcept nogil
+    cdef int _lock(self) except -1                                                   # GIL held
+    cdef int _run_alloc(self, int n, int32_t* out, bint use_held) except -1          # 0 / _OOM; GIL held
+    cdef int _run_free(self, int n, const int32_t* ids) except -1                    # raises BlockStateError; GIL held

@@ -1,0 +1,734 @@
+# BlockAllocator: free slots per page, best fit, a per-block allocated bit. See Note [Block
+# placement], Note [Allocator locks], Note [try_to_reserve].
+
+from cpython.list cimport PyList_New, PyList_GET_SIZE, PyList_GET_ITEM
+from cpython.long cimport PyLong_AsLongLong
+
+cdef extern from *:
+    """
+    static inline int kvc_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
+    static inline int kvc_clz64(unsigned long long x) { return __builtin_clzll(x); }
+    static inline void kvc_list_set_int(PyObject* list, Py_ssize_t i, long v) {
+        PyList_SET_ITEM(list, i, PyLong_FromLong(v));
+    }
+    """
+    int kvc_ctz64(unsigned long long x) noexcept nogil
+    int kvc_clz64(unsigned long long x) noexcept nogil
+    void kvc_list_set_int(object lst, Py_ssize_t i, long v) noexcept
+
+cdef enum:
+    _STACK_IDS = 512     # requests up to this many ids use a stack buffer, not malloc
+
+
+cdef object _int32_view_source(object buf):
+    # numpy arrays and anything with the buffer protocol as they are; torch CPU tensors via .numpy()
+    try:
+        memoryview(buf)
+        return buf
+    except TypeError:
+        if hasattr(buf, "numpy"):
+            return buf.numpy()
+        raise
+
+
+cdef class BlockAllocator:
+    """Hands out KV block ids over the pages of one PageAllocator; layout-agnostic.
+
+    Page p holds the ids [page_first_block[p], page_first_block[p] + page_num_blocks[p]) (counts
+    may differ per page; a block straddling two pages belongs to none and is never handed out),
+    and block b lies in page (b * id_to_page_num) // id_to_page_den. Each owned page keeps a
+    stack of its free ids, and partially used pages sit in buckets by free count with a bitmap of
+    non-empty buckets — rather than a heap or a sorted list — so that best fit and "emptiest
+    page" are a bit scan and every step is O(1) (Note [Block placement]).
+
+    Thread-safe: one lock, see Note [Allocator locks].
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        pthread_mutex_init(&self.lock, NULL)
+
+    def __init__(self, PageAllocator pages, page_first_block, page_num_blocks, int64_t id_to_page_num,
+                 int64_t id_to_page_den, int64_t max_block_id):
+        """pages: a fresh PageAllocator (no page taken yet; the weights are bound here);
+        page_first_block, page_num_blocks: one entry per page id of its table; block b lies in
+        page (b * id_to_page_num) // id_to_page_den; max_block_id: ids are below it.
+
+        Raises KVCachedConfigError when the arrays have the wrong length, an interval is
+        negative or past max_block_id, a block of page p's interval maps to another page, or the
+        page allocator already serves another BlockAllocator."""
+        import numpy as np
+        cdef int P = pages.num_table_pages
+        cdef int p, i
+        cdef int64_t base = 0
+        first = np.asarray(page_first_block, dtype=np.int64).reshape(-1)
+        count = np.asarray(page_num_blocks, dtype=np.int64).reshape(-1)
+        if first.size != P or count.size != P:
+            raise KVCachedConfigError(
+                f"page_first_block / page_num_blocks have {first.size} / {count.size} entries; the page "
+                f"table has {P} page ids: give one entry per page id.")
+        if id_to_page_num < 1 or id_to_page_den < 1:
+            raise KVCachedConfigError(
+                f"id_to_page_num={id_to_page_num}, id_to_page_den={id_to_page_den} must both be >= 1 "
+                f"(dense layouts: block_bytes, page_bytes; sparse ids: 1, ids_per_page).")
+        if not 0 <= max_block_id < (1 << 31):
+            raise KVCachedConfigError(f"max_block_id={max_block_id} must be in [0, 2**31)")
+        if (count < 0).any():
+            bad = int(np.flatnonzero(count < 0)[0])
+            raise KVCachedConfigError(f"page {bad} has page_num_blocks={int(count[bad])} < 0")
+        used = count > 0
+        if ((first < 0) | (first + count > max_block_id))[used].any():
+            bad = int(np.flatnonzero(used & ((first < 0) | (first + count > max_block_id)))[0])
+            raise KVCachedConfigError(
+                f"page {bad}'s ids [{int(first[bad])}, {int(first[bad] + count[bad])}) fall outside [0, {max_block_id})")
+        page_of = np.repeat(np.arange(P, dtype=np.int64), count)
+        ids = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()), dtype=np.int64)
+        if ids.size and max(int(ids.max()), 1) * id_to_page_num >= (1 << 62):
+            raise KVCachedConfigError("block_id * id_to_page_num overflows 62 bits; reduce the ratio")
+        mapped_to = ids * id_to_page_num // id_to_page_den
+        if (mapped_to != page_of).any():
+            j = int(np.flatnonzero(mapped_to != page_of)[0])
+            raise KVCachedConfigError(
+                f"block {int(ids[j])} is in page {int(page_of[j])}'s interval but maps to page {int(mapped_to[j])} "
+                f"by ({int(ids[j])} * {id_to_page_num}) // {id_to_page_den}: the intervals and the ratio disagree.")
+        self.pages = pages
+        self.num_pages = P
+        self.max_block_id = <int32_t>max_block_id
+        self.id_to_page_num = id_to_page_num
+        self.id_to_page_den = id_to_page_den
+        self.total_blocks = int(count.sum())
+        self.max_blocks_per_page = int(count.max()) if P else 0
+        self.page_first = <int32_t*>calloc(P, sizeof(int32_t))
+        self.page_blocks = <int32_t*>calloc(P, sizeof(int32_t))
+        self.slot_base = <int64_t*>calloc(P, sizeof(int64_t))
+        self.slots = <int32_t*>malloc(max(1, self.total_blocks) * sizeof(int32_t))
+        self.page_free = <int32_t*>calloc(P, sizeof(int32_t))
+        self.page_owned = <uint8_t*>calloc(P, sizeof(uint8_t))
+        self.page_mark = <uint8_t*>calloc(max(1, P), sizeof(uint8_t))
+        self.block_state = <uint8_t*>malloc(max(1, max_block_id) * sizeof(uint8_t))
+        self.bucket_head = <int32_t*>malloc((self.max_blocks_per_page + 1) * sizeof(int32_t))
+        self.page_next = <int32_t*>malloc(P * sizeof(int32_t))
+        self.page_prev = <int32_t*>malloc(P * sizeof(int32_t))
+        self.bucket_words = (self.max_blocks_per_page + 1 + 63) // 64
+        self.bucket_bits = <uint64_t*>calloc(self.bucket_words, sizeof(uint64_t))
+        self.held = <int32_t*>malloc(max(1, self.total_blocks) * sizeof(int32_t))
+        self.page_buf = <int32_t*>malloc(max(1, P) * sizeof(int32_t))
+        if (self.page_first == NULL or self.page_blocks == NULL or self.slot_base == NULL or self.slots == NULL
+                or self.page_free == NULL or self.page_owned == NULL or self.page_mark == NULL or self.block_state == NULL
+                or self.bucket_head == NULL or self.page_next == NULL or self.page_prev == NULL
+                or self.bucket_bits == NULL or self.held == NULL or self.page_buf == NULL):
+            raise MemoryError("no memory for the block allocator")
+        memset(self.block_state, _BS_INVALID, max_block_id)
+        for i in range(self.max_blocks_per_page + 1):
+            self.bucket_head[i] = -1
+        weights = np.ascontiguousarray(count, dtype=np.int32)
+        cdef int32_t[::1] w = weights
+        for p in range(P):
+            self.page_first[p] = <int32_t>first[p] if count[p] > 0 else 0
+            self.page_blocks[p] = w[p]
+            self.slot_base[p] = base
+            base += w[p]
+            memset(self.block_state + self.page_first[p], _BS_FREE, w[p])
+            self.page_next[p] = -1
+            self.page_prev[p] = -1
+        from kvcached.config import settings
+        self.debug_checks = settings().debug_checks
+        if P:
+            pages._bind_weights(&w[0])
+
+    @classmethod
+    def dense(cls, PageAllocator pages, int64_t block_bytes, page_bytes=None, max_block_id=None):
+        """Dense ids: block b covers bytes [b * block_bytes, (b + 1) * block_bytes) of each buffer
+        and page p the bytes [p * page_bytes, (p + 1) * page_bytes) (default: the table's
+        map_bytes, i.e. one segment); blocks straddling two pages are never handed out.
+        max_block_id defaults to every block that fits in the table's pages."""
+        import numpy as np
+        cdef int P = pages.num_table_pages
+        pb = int(pages.table.map_bytes if page_bytes is None else page_bytes)
+        if block_bytes < 1 or pb < 1:
+            raise KVCachedConfigError(f"block_bytes={block_bytes} and page_bytes={pb} must be >= 1")
+        top = P * pb // block_bytes if max_block_id is None else int(max_block_id)
+        starts = np.arange(P, dtype=np.int64) * pb
+        first = -(-starts // block_bytes)
+        last = np.minimum((starts + pb) // block_bytes, top)
+        count = np.maximum(last - first, 0)
+        return cls(pages, np.where(count > 0, first, 0), count, block_bytes, pb, top)
+
+    @classmethod
+    def sparse(cls, PageAllocator pages, int ids_per_page, int blocks_per_page):
+        """Sparse page-grouped ids: page p holds [p * ids_per_page, p * ids_per_page +
+        blocks_per_page)."""
+        import numpy as np
+        cdef int P = pages.num_table_pages
+        if not 1 <= blocks_per_page <= ids_per_page:
+            raise KVCachedConfigError(f"need 1 <= blocks_per_page ({blocks_per_page}) <= ids_per_page ({ids_per_page})")
+        first = np.arange(P, dtype=np.int64) * ids_per_page
+        return cls(pages, first, np.full(P, blocks_per_page), 1, ids_per_page,
+                   (P - 1) * ids_per_page + blocks_per_page)
+
+    def __dealloc__(self):
+        free(self.page_first)
+        free(self.page_blocks)
+        free(self.slot_base)
+        free(self.slots)
+        free(self.page_free)
+        free(self.page_owned)
+        free(self.page_mark)
+        free(self.block_state)
+        free(self.bucket_head)
+        free(self.page_next)
+        free(self.page_prev)
+        free(self.bucket_bits)
+        free(self.held)
+        free(self.page_buf)
+        pthread_mutex_destroy(&self.lock)
+
+    # -- buckets of partially used pages, by free count (under lock) -------------------------
+    cdef void _bucket_insert(self, int32_t page_id, int count) noexcept nogil:
+        cdef int32_t head = self.bucket_head[count]
+        self.page_prev[page_id] = -1
+        self.page_next[page_id] = head
+        if head >= 0:
+            self.page_prev[head] = page_id
+        self.bucket_head[count] = page_id
+        self.bucket_bits[count >> 6] |= (<uint64_t>1) << (count & 63)
+
+    cdef void _bucket_remove(self, int32_t page_id, int count) noexcept nogil:
+        cdef int32_t prev = self.page_prev[page_id], nxt = self.page_next[page_id]
+        if prev >= 0:
+            self.page_next[prev] = nxt
+        else:
+            self.bucket_head[count] = nxt
+            if nxt < 0:
+                self.bucket_bits[count >> 6] &= ~((<uint64_t>1) << (count & 63))
+        if nxt >= 0:
+            self.page_prev[nxt] = prev
+        self.page_prev[page_id] = -1
+        self.page_next[page_id] = -1
+
+    cdef int _bucket_at_least(self, int count) noexcept nogil:
+        """The smallest non-empty bucket >= count, or -1."""
+        cdef int w = count >> 6
+        cdef uint64_t bits
+        if w >= self.bucket_words:
+            return -1
+        bits = self.bucket_bits[w] & ((~(<uint64_t>0)) << (count & 63))
+        while True:
+            if bits:
+                return (w << 6) + kvc_ctz64(bits)
+            w += 1
+            if w >= self.bucket_words:
+                return -1
+            bits = self.bucket_bits[w]
+
+    cdef int _bucket_highest(self) noexcept nogil:
+        """The largest non-empty bucket (the emptiest partially used page's free count), or -1."""
+        cdef int w = self.bucket_words - 1
+        while w >= 0:
+            if self.bucket_bits[w]:
+                return (w << 6) + 63 - kvc_clz64(self.bucket_bits[w])
+            w -= 1
+        return -1
+
+    cdef void _adopt(self, int32_t page_id) noexcept nogil:
+        # a page just taken from the page allocator: all its ids free, lowest on top
+        cdef int i, c = self.page_blocks[page_id]
+        cdef int32_t first = self.page_first[page_id]
+        cdef int32_t* stack = self.slots + self.slot_base[page_id]
+        for i in range(c):
+            stack[i] = first + c - 1 - i
+        self.page_owned[page_id] = 1
+        self.page_free[page_id] = c
+        self.partial_free += c
+        self.num_owned += 1
+        self._bucket_insert(page_id, c)
+
+    cdef int _take_from(self, int32_t page_id, int k, int32_t* out) noexcept nogil:
+        # k ids off the page's free stack (k <= its free count); re-bucket it
+        cdef int i, f = self.page_free[page_id]
+        cdef int32_t* stack = self.slots + self.slot_base[page_id]
+        cdef int32_t b
+        self._bucket_remove(page_id, f)
+        for i in range(k):
+            b = stack[f - 1 - i]
+            out[i] = b
+            self.block_state[b] = _BS_ALLOCATED
+        f -= k
+        self.page_free[page_id] = f
+        self.partial_free -= k
+        if f > 0:
+            self._bucket_insert(page_id, f)
+        return k
+
+    # -- the workers (hold lock) -------------------------------------------------------------
+    cdef int _alloc_locked(self, int n, int32_t* out, bint may_block, bint use_held) except -1 nogil:
+        """n distinct ids into out[0..n). Returns 0; _OOM with nothing changed; or, when not
+        may_block (GIL held: no driver call allowed), _NEED_SLOW with nothing changed if pages
+        beyond the pool are needed. Policy: Note [Block placement]."""
+        cdef int h = 0, pos, np_new = 0, j, f, k, rc
+        cdef int64_t r, rem
+        cdef int32_t p
+        if use_held:
+            h = <int>min(<int64_t>n, self.num_held)
+        r = n - h
+        if r > self.partial_free:
+            if may_block:
+                rc = self.pages.take_blocks(r - self.partial_free, self.page_buf, &np_new)
+                if rc == _OOM:
+                    self.num_failed_allocs += 1
+                    return _OOM
+            elif self.pages.take_pool(r - self.partial_free, True, self.page_buf, &np_new) != 0:
+                return _NEED_SLOW
+        # from here on nothing can fail
+        for j in range(h):
+            self.num_held -= 1
+            out[j] = self.held[self.num_held]
+            self.block_state[out[j]] = _BS_ALLOCATED
+        pos = h
+        if np_new > 0:
+            # every partially used page in full (emptiest first), then the new pages in order
+            while True:
+                f = self._bucket_highest()
+                if f <= 0:
+                    break
+                pos += self._take_from(self.bucket_head[f], f, out + pos)
+            for j in range(np_new):
+                p = self.page_buf[j]
+                self._adopt(p)
+                k = min(self.page_blocks[p], n - pos)
+                pos += self._take_from(p, k, out + pos)
+        else:
+            rem = r
+            while rem > 0:
+                f = self._bucket_highest()
+                if rem <= f:
+                    f = self._bucket_at_least(<int>rem)
+                    pos += self._take_from(self.bucket_head[f], <int>rem, out + pos)
+                    rem = 0
+                else:
+                    pos += self._take_from(self.bucket_head[f], f, out + pos)
+                    rem -= f
+        self.num_allocated += n
+        self.num_allocs += 1
+        return 0
+
+    cdef int _free_locked(self, int n, const int32_t* ids, int* n_empty, int64_t* bad) noexcept nogil:
+        """Free ids[0..n): returns 0 with the pages that became empty in page_buf[0..n_empty)
+        (no longer owned; the caller returns them), or _BAD_ID with nothing changed and
+        bad = [id, reason] (0 unknown, 1 not allocated, 2 repeated in this call)."""
+        cdef int i, j, f, ne = 0, nt = 0
+        cdef int32_t b, p
+        cdef uint8_t s
+        for i in range(n):
+            b = ids[i]
+            s = self.block_state[b] if 0 <= b < self.max_block_id else _BS_INVALID
+            if s != _BS_ALLOCATED:
+                bad[0] = b
+                bad[1] = 0 if s == _BS_INVALID else (2 if s == _BS_MARK else 1)
+                for j in range(i):
+                    self.block_state[ids[j]] = _BS_ALLOCATED
+                return _BAD_ID
+            self.block_state[b] = _BS_MARK
+        # Group by page in one pass: consecutive ids of one page skip the division, and each
+        # page leaves its bucket once, on first touch, and re-enters it once at the end.
+        p = -1
+        for i in range(n):
+            b = ids[i]
+            self.block_state[b] = _BS_FREE
+            if p < 0 or <uint32_t>(b - self.page_first[p]) >= <uint32_t>self.page_blocks[p]:
+                p = <int32_t>((<int64_t>b * self.id_to_page_num) // self.id_to_page_den)
+                if not self.page_mark[p]:
+                    self.page_mark[p] = 1
+                    f = self.page_free[p]
+                    if f > 0:
+                        self._bucket_remove(p, f)
+                    self.page_buf[nt] = p
+                    nt += 1
+            f = self.page_free[p]
+            self.slots[self.slot_base[p] + f] = b
+            self.page_free[p] = f + 1
+        self.partial_free += n
+        for j in range(nt):
+            p = self.page_buf[j]
+            self.page_mark[p] = 0
+            f = self.page_free[p]
+            if f == self.page_blocks[p]:
+                self.page_buf[ne] = p
+                ne += 1
+                self.page_owned[p] = 0
+                self.partial_free -= f
+                self.page_free[p] = 0
+                self.num_owned -= 1
+            else:
+                self._bucket_insert(p, f)
+        self.num_allocated -= n
+        self.num_frees += 1
+        n_empty[0] = ne
+        return 0
+
+    # -- lock helpers (Note [Allocator locks]) -------------------------------------------------
+    cdef int _lock(self) except -1:
+        # uncontended: take it without dropping the GIL; else wait with the GIL released
+        if pthread_mutex_trylock(&self.lock) != 0:
+            with nogil:
+                pthread_mutex_lock(&self.lock)
+        return 0
+
+    cdef int _run_alloc(self, int n, int32_t* out, bint use_held) except -1:
+        cdef int rc
+        self._lock()
+        try:
+            rc = self._alloc_locked(n, out, False, use_held)
+            if rc == _NEED_SLOW:
+                with nogil:
+                    rc = self._alloc_locked(n, out, True, use_held)
+        finally:
+            pthread_mutex_unlock(&self.lock)
+        return rc
+
+    cdef int _run_free(self, int n, const int32_t* ids) except -1:
+        cdef int rc, ne = 0
+        cdef int64_t bad[2]
+        self._lock()
+        try:
+            rc = self._free_locked(n, ids, &ne, bad)
+            if rc == 0 and ne > 0 and self.pages.return_pages_fast(ne, self.page_buf) != 0:
+                with nogil:
+                    self.pages.return_pages(ne, self.page_buf)
+        finally:
+            pthread_mutex_unlock(&self.lock)
+        if rc == _BAD_ID:
+            why = ("is not a block id of this allocator (out of range, or straddling two pages)",
+                   "is not allocated (never allocated, already freed, or held by try_to_reserve)",
+                   "appears more than once in this call")[bad[1]]
+            raise BlockStateError(f"block id {bad[0]} {why}; nothing was freed.")
+        return 0
+
+    # -- Python surface -------------------------------------------------------------------------
+    def alloc(self, int n):
+        """Exactly n distinct block ids (a list of int), or None when the pages cannot be had
+        (out of memory, limit, capacity) — never a partial result; state unchanged on None.
+
+        Cost: O(n + pages touched); the pool fast path makes no driver call and keeps the GIL.
+        Raises ValueError for n < 0."""
+        cdef int32_t stack_ids[_STACK_IDS]
+        cdef int32_t* out = stack_ids
+        cdef int rc, i
+        if n <= 0:
+            if n < 0:
+                raise ValueError(f"alloc(n={n}): n must be >= 0")
+            return []
+        if n > _STACK_IDS:
+            out = <int32_t*>malloc(n * sizeof(int32_t))
+            if out == NULL:
+                raise MemoryError
+        try:
+            rc = self._run_alloc(n, out, True)
+            if rc != 0:
+                return None
+            result = PyList_New(n)
+            for i in range(n):
+                kvc_list_set_int(result, i, out[i])
+            if self.debug_checks:
+                self.check_invariants()
+            return result
+        finally:
+            if out != stack_ids:
+                free(out)
+
+    def alloc_into(self, buf) -> bool:
+        """Fill a caller's contiguous int32 buffer (numpy array, CPU tensor, array.array) with
+        len(buf) distinct ids: True, or False with nothing changed (buffer contents undefined)."""
+        cdef int32_t[::1] view = _int32_view_source(buf)
+        cdef int n = <int>view.shape[0]
+        if n == 0:
+            return True
+        return self._run_alloc(n, &view[0], True) == 0
+
+    def free(self, ids):
+        """Free the given ids (any iterable of int). Raises BlockStateError — with nothing freed —
+        for an id that is unknown, not allocated, or repeated. Pages that become empty go back
+        to the page allocator (pool, or unmapped after their fence). O(len(ids))."""
+        cdef int32_t stack_ids[_STACK_IDS]
+        cdef int32_t* buf = stack_ids
+        cdef Py_ssize_t n, i
+        cdef long long v
+        if not isinstance(ids, list):
+            ids = list(ids)
+        n = PyList_GET_SIZE(ids)
+        if n == 0:
+            return
+        if n > _STACK_IDS:
+            buf = <int32_t*>malloc(n * sizeof(int32_t))
+            if buf == NULL:
+                raise MemoryError
+        try:
+            for i in range(n):
+                v = PyLong_AsLongLong(<object>PyList_GET_ITEM(ids, i))
+                if v < 0 or v >= self.max_block_id:
+                    raise BlockStateError(
+                        f"block id {v} is not a block id of this allocator (valid: [0, {self.max_block_id})); nothing was freed.")
+                buf[i] = <int32_t>v
+            self._run_free(<int>n, buf)
+            if self.debug_checks:
+                self.check_invariants()
+        finally:
+            if buf != stack_ids:
+                free(buf)
+
+    def free_from(self, buf):
+        """free() for a contiguous int32 buffer (numpy array, CPU tensor), without Python ints."""
+        cdef const int32_t[::1] view = _int32_view_source(buf)
+        if view.shape[0]:
+            self._run_free(<int>view.shape[0], &view[0])
+
+    def available_blocks(self) -> int:
+        """Blocks alloc could hand out now: held ones, free slots in owned pages, and the blocks
+        of the pages the page allocator could deliver (pool + lowest free ids, within the limit
+        and the free physical memory figure). alloc(available_blocks()) succeeds and
+        alloc(available_blocks() + 1) returns None when nothing changes in between (exact on the
+        host backend; on CUDA, pages whose unmap is pending are not counted). O(log pages)."""
+        cdef int64_t total
+        self._lock()
+        total = self.num_held + self.partial_free + self.pages.available_weight(True)
+        pthread_mutex_unlock(&self.lock)
+        return total
+
+    def try_to_reserve(self, int n) -> bool:
+        """Hold n more blocks aside (allocated now, so their pages are mapped) for the next
+        allocs, which take held blocks first. True, or False with nothing changed. See
+        Note [try_to_reserve]."""
+        cdef int32_t* out
+        cdef int rc, i
+        if n < 0:
+            raise ValueError(f"try_to_reserve(n={n}): n must be >= 0")
+        if n == 0:
+            return True
+        out = <int32_t*>malloc(n * sizeof(int32_t))
+        if out == NULL:
+            raise MemoryError
+        try:
+            self._lock()
+            try:
+                rc = self._alloc_locked(n, out, False, False)
+                if rc == _NEED_SLOW:
+                    with nogil:
+                        rc = self._alloc_locked(n, out, True, False)
+                if rc == 0:
+                    for i in range(n):
+                        self.block_state[out[i]] = _BS_HELD
+                        self.held[self.num_held] = out[i]
+                        self.num_held += 1
+                    self.num_allocated -= n
+            finally:
+                pthread_mutex_unlock(&self.lock)
+        finally:
+            free(out)
+        return rc == 0
+
+    def free_reserved(self):
+        """Free every held block (pages that become empty go back)."""
+        cdef int64_t i, n
+        cdef int ne = 0
+        cdef int64_t bad[2]
+        self._lock()
+        try:
+            n = self.num_held
+            for i in range(n):
+                self.block_state[self.held[i]] = _BS_ALLOCATED
+            self.num_allocated += n
+            self.num_held = 0
+            if n:
+                self._free_locked(<int>n, self.held, &ne, bad)
+                if ne and self.pages.return_pages_fast(ne, self.page_buf) != 0:
+                    with nogil:
+                        self.pages.return_pages(ne, self.page_buf)
+        finally:
+            pthread_mutex_unlock(&self.lock)
+
+    def clear(self):
+        """Free every allocated and held block. O(blocks of owned pages)."""
+        cdef int32_t* ids = <int32_t*>malloc(max(1, self.total_blocks) * sizeof(int32_t))
+        cdef int64_t n = 0, b
+        cdef int p, ne = 0
+        cdef int64_t bad[2]
+        if ids == NULL:
+            raise MemoryError
+        self._lock()
+        try:
+            for p in range(self.num_pages):
+                if self.page_owned[p]:
+                    for b in range(self.page_first[p], self.page_first[p] + self.page_blocks[p]):
+                        if self.block_state[b] == _BS_ALLOCATED or self.block_state[b] == _BS_HELD:
+                            if self.block_state[b] == _BS_HELD:
+                                self.num_allocated += 1
+                            self.block_state[b] = _BS_ALLOCATED
+                            ids[n] = <int32_t>b
+                            n += 1
+            self.num_held = 0
+            if n:
+                self._free_locked(<int>n, ids, &ne, bad)
+                if ne and self.pages.return_pages_fast(ne, self.page_buf) != 0:
+                    with nogil:
+                        self.pages.return_pages(ne, self.page_buf)
+        finally:
+            pthread_mutex_unlock(&self.lock)
+            free(ids)
+
+    def resize(self, int num_pages) -> bool:
+        """PageAllocator.resize under this allocator's lock: False (nothing changed) when pages
+        holding live or held blocks lie at or above num_pages."""
+        self._lock()
+        try:
+            return self.pages.resize(num_pages)
+        finally:
+            pthread_mutex_unlock(&self.lock)
+
+    def trim(self):
+        """Unmap the page allocator's pool and release cached handles."""
+        self.pages.trim()
+
+    @property
+    def num_free_in_owned_pages(self) -> int:
+        return self.partial_free
+
+    def page_occupancy(self, page_ids=None) -> dict:
+        """{page_id: (live blocks incl. held, blocks the page holds)} for owned pages (or the
+        given ones)."""
+        result = {}
+        self._lock()
+        try:
+            pages = range(self.num_pages) if page_ids is None else page_ids
+            for p in pages:
+                if not 0 <= p < self.num_pages:
+                    raise MappingError(f"page id {p} is out of range [0, {self.num_pages})")
+                if page_ids is not None or self.page_owned[p]:
+                    live = self.page_blocks[p] - self.page_free[p] if self.page_owned[p] else 0
+                    result[p] = (live, self.page_blocks[p])
+        finally:
+            pthread_mutex_unlock(&self.lock)
+        return result
+
+    def stats(self) -> dict:
+        """Block counts and counters, with the page allocator's stats under "pages"."""
+        self._lock()
+        try:
+            result = {
+                "allocated": self.num_allocated, "held": self.num_held, "owned_pages": self.num_owned,
+                "free_in_owned_pages": self.partial_free, "total_blocks": self.total_blocks,
+                "num_allocs": self.num_allocs, "num_frees": self.num_frees,
+                "num_failed_allocs": self.num_failed_allocs, "pages": self.pages.stats(),
+            }
+        finally:
+            pthread_mutex_unlock(&self.lock)
+        return result
+
+    def block_states(self):
+        """numpy uint8 copy of every block id's state (0 free, 1 allocated, 2 invalid, 3 held)."""
+        import numpy as np
+        arr = np.empty(self.max_block_id, dtype=np.uint8)
+        cdef uint8_t[::1] v = arr
+        self._lock()
+        if self.max_block_id:
+            memcpy(&v[0], self.block_state, self.max_block_id)
+        pthread_mutex_unlock(&self.lock)
+        return arr
+
+    def check_invariants(self):
+        """O(blocks + pages): every valid id is free (in an owned page's stack or in a page not
+        owned), allocated or held, in exactly one place; per-page counts, buckets, bitmap and
+        totals agree; owned pages are exactly the page allocator's used pages, hence mapped
+        (mapped pages >= pages holding live blocks). Then the page allocator's own check.
+        Raises AssertionError naming the first broken one."""
+        import numpy as np
+        cdef int P = self.num_pages, p, f
+        cdef int32_t q
+        self._lock()
+        try:
+            state = np.array(<uint8_t[:max(1, self.max_block_id)]>self.block_state)[:self.max_block_id].copy()
+            first = np.array(<int32_t[:max(1, P)]>self.page_first)[:P].copy()
+            count = np.array(<int32_t[:max(1, P)]>self.page_blocks)[:P].copy()
+            pfree = np.array(<int32_t[:max(1, P)]>self.page_free)[:P].copy()
+            owned = np.array(<uint8_t[:max(1, P)]>self.page_owned)[:P].copy()
+            held = [self.held[i] for i in range(self.num_held)]
+            stacks = {p: sorted(self.slots[self.slot_base[p] + i] for i in range(self.page_free[p]))
+                      for p in range(P) if self.page_owned[p]}
+            buckets = {}
+            for f in range(1, self.max_blocks_per_page + 1):
+                members = []
+                q = self.bucket_head[f]
+                while q >= 0:
+                    members.append(q)
+                    assert len(members) <= P, f"bucket {f} loops"
+                    q = self.page_next[q]
+                bit = (self.bucket_bits[f >> 6] >> (f & 63)) & 1
+                assert bool(bit) == bool(members), f"bucket {f}: bit {bit}, members {members}"
+                buckets[f] = members
+            totals = (self.num_allocated, self.num_held, self.partial_free, self.num_owned)
+            page_states = self.pages.page_states()
+        finally:
+            pthread_mutex_unlock(&self.lock)
+        num_allocated, num_held, partial_free, num_owned = totals
+        assert not (state == _BS_MARK).any(), "a transient mark survived a free"
+        valid = np.zeros(self.max_block_id, dtype=bool)
+        for p in range(P):
+            valid[first[p]:first[p] + count[p]] = True
+        assert ((state == _BS_INVALID) == ~valid).all(), "invalid ids disagree with the page intervals"
+        assert int((state == _BS_ALLOCATED).sum()) == num_allocated, "num_allocated disagrees"
+        assert len(held) == num_held == int((state == _BS_HELD).sum()), "held ids disagree"
+        assert len(set(held)) == len(held) and all(state[b] == _BS_HELD for b in held), "held stack disagrees"
+        assert int(owned.sum()) == num_owned, "num_owned disagrees"
+        assert ((owned != 0) == (page_states == _PS_USED)).all(), \
+            "owned pages are not exactly the page allocator's used pages"
+        in_bucket = {}
+        for f, members in buckets.items():
+            for q in members:
+                assert q not in in_bucket, f"page {q} in two buckets"
+                in_bucket[q] = f
+        total_free = 0
+        for p in range(P):
+            ids = state[first[p]:first[p] + count[p]]
+            if owned[p]:
+                free_ids = first[p] + np.flatnonzero(ids == _BS_FREE)
+                assert stacks[p] == free_ids.tolist(), f"page {p}: free stack {stacks[p]} != free ids {free_ids.tolist()}"
+                assert 0 <= pfree[p] < count[p], f"owned page {p} has {pfree[p]} of {count[p]} free (empty pages go back)"
+                assert in_bucket.get(p, 0) == pfree[p], f"page {p} with {pfree[p]} free is in bucket {in_bucket.get(p)}"
+                total_free += pfree[p]
+            else:
+                assert (ids == _BS_FREE).all(), f"page {p} is not owned (maybe unmapped) but holds live ids"
+                assert pfree[p] == 0 and p not in in_bucket, f"page {p} not owned yet counted"
+        assert total_free == partial_free, f"free in owned pages {total_free} != {partial_free}"
+        self.pages.check_invariants()
+        return True
+
+
+# Note [Allocator locks]
+# One pthread mutex per BlockAllocator guards all of its state; public methods take it, cdef
+# workers assume it. It is only ever *waited on* with the GIL released (trylock first while holding
+# the GIL, which is the uncontended case and costs ~20 ns), so a holder may take the GIL (budget
+# gate, driver errors) without deadlock; a fast path that finds enough pages in the pool runs to
+# the end with the GIL held and never calls the driver, and one that needs mapping releases the
+# GIL but keeps the lock. Lock order: BlockAllocator.lock -> PageAllocator.map_lock ->
+# PageAllocator.lock -> Backend._lock; PageAllocator.lock is never held across a driver or Python
+# call, so it may be waited on with the GIL held.
+#
+# Note [Block placement]
+# alloc(n): held blocks (try_to_reserve) first. For the rest, r ids:
+#  1. r <= free ids of the emptiest partially used page: best fit, the page with the fewest free
+#     ids that still holds r (lowest non-empty bucket >= r), so large holes stay whole.
+#  2. r <= all free ids in owned pages, but no page holds r: whole pages, emptiest first, until
+#     the remainder fits one page, which is then best-fit. Emptiest first touches the fewest pages
+#     and keeps a request's ids on few pages, so they empty together when it ends.
+#  3. r > all free ids in owned pages: one take_blocks call for the missing ids (pool pages first,
+#     then the lowest free page ids, mapped in one batch) before anything changes; on out of
+#     memory alloc returns None, unchanged. Then every partially used page is filled and the new
+#     pages are used in the order delivered: each but the last in full (take_blocks returns the
+#     fewest pages that hold the missing ids).
+# Buckets are doubly linked lists per free count plus a bitmap of non-empty ones, so steps 1-2 are
+# O(1) bit scans per page touched (max_blocks_per_page / 64 words) and the whole is O(n + pages).
+# Within a page, ids come off a stack of its free ids, lowest first on a fresh page.
+#
+# Note [try_to_reserve]
+# try_to_reserve(n) allocates n blocks now, into a held stack, so their pages are mapped; the next
+# alloc calls take held blocks first (no page work at all), free_reserved() frees whatever is still
+# held, and available_blocks() counts them. Calls accumulate. Held ids are not the caller's:
+# freeing one raises BlockStateError.

@@ -1,0 +1,1047 @@
+# PageAllocator: free page ids, the reserved pool, deferred unmap, resize, limits, the background
+# thread. See Note [Page allocator states], Note [Deferred unmap], Note [Background thread].
+
+cdef extern from "<unistd.h>" nogil:
+    int usleep(unsigned int usec)
+
+cdef inline double _now() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
+
+
+cdef class PageAllocator:
+    """Hands out mapped page ids of one PageTable, keeping a pool of mapped, unused ones.
+
+    Page ids live in exactly one state (Note [Page allocator states]): free (unmapped, below
+    capacity), pool (mapped, unused), used (handed out), pending (returned, unmapped once the GPU
+    work queued before the return has finished), or outside (above capacity). The free set is a
+    Fenwick tree rather than a plain stack so that the lowest ids go first (a shrink finds the top
+    ids free more often) and so that "the weight of the next k pages" — the blocks they hold,
+    needed by available_blocks() — is an O(log pages) query.
+
+    Lock rule: ``lock`` guards the state and is never held across a driver or Python call, so it
+    may be waited on with the GIL held; ``map_lock`` serialises every page-table call (the table is
+    not thread-safe, and the driver serialises mappings anyway) and is only ever waited on without
+    the GIL. Order: map_lock before lock. Python methods take what they need; cdef methods say
+    which they take in their docstring.
+    """
+
+    def __cinit__(self, *args, **kwargs):
+        cdef pthread_condattr_t attr
+        pthread_mutex_init(&self.lock, NULL)
+        pthread_mutex_init(&self.map_lock, NULL)
+        pthread_condattr_init(&attr)
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
+        pthread_cond_init(&self.wake, &attr)
+        pthread_condattr_destroy(&attr)
+        self.limit_pages = -1
+
+    def __init__(self, PageTable page_table, num_pages=None, int min_reserved=5, int max_reserved=10,
+                 double idle_trim_s=30.0):
+        """page_table: the table whose ids are handed out; num_pages: initial capacity (page ids
+        [0, num_pages)), default the table's num_pages; min_reserved / max_reserved: bounds of
+        the pool, in pages; idle_trim_s: seconds without take/return after which the background
+        thread trims the pool (0 disables).
+
+        Raises KVCachedConfigError for a capacity outside [0, table.num_pages], negative pool
+        bounds, min_reserved > max_reserved, or a negative idle_trim_s."""
+        cdef int P = page_table.num_pages
+        cdef int p
+        capacity = P if num_pages is None else int(num_pages)
+        if not 0 <= capacity <= P:
+            raise KVCachedConfigError(
+                f"num_pages={capacity} is outside [0, {P}]: the page table reserves {P} page ids; "
+                f"pass at most {P} or build a larger table.")
+        if min_reserved < 0 or max_reserved < 0 or min_reserved > max_reserved:
+            raise KVCachedConfigError(
+                f"pool bounds min_reserved={min_reserved}, max_reserved={max_reserved} must satisfy "
+                f"0 <= min_reserved <= max_reserved.")
+        if idle_trim_s < 0:
+            raise KVCachedConfigError(f"idle_trim_s={idle_trim_s} must be >= 0 (0 disables idle trimming).")
+        self.table = page_table
+        self.backend = page_table.backend
+        self.num_table_pages = P
+        self.capacity_pages = capacity
+        self.min_reserved = min_reserved
+        self.max_reserved = max_reserved
+        self.idle_trim_s = idle_trim_s
+        self.page_bytes = page_table.num_segments * page_table.map_bytes
+        self.state = <uint8_t*>calloc(P, sizeof(uint8_t))
+        self.weight = <int32_t*>malloc(P * sizeof(int32_t))
+        self.fw_count = <int32_t*>calloc(P + 1, sizeof(int32_t))
+        self.fw_weight = <int64_t*>calloc(P + 1, sizeof(int64_t))
+        self.pool = <int32_t*>malloc(P * sizeof(int32_t))
+        self.pend_ids = <int32_t*>malloc(P * sizeof(int32_t))
+        self.batch_fence = <uintptr_t*>malloc(P * sizeof(uintptr_t))
+        self.batch_count = <int32_t*>malloc(P * sizeof(int32_t))
+        self.scratch = <int32_t*>malloc(P * sizeof(int32_t))
+        if (self.state == NULL or self.weight == NULL or self.fw_count == NULL or self.fw_weight == NULL
+                or self.pool == NULL or self.pend_ids == NULL or self.batch_fence == NULL
+                or self.batch_count == NULL or self.scratch == NULL):
+            raise MemoryError("no memory for the page allocator")
+        self.fw_top = 1
+        while self.fw_top * 2 <= P:
+            self.fw_top *= 2
+        for p in range(P):
+            self.weight[p] = 1
+        for p in range(capacity):
+            self.state[p] = _PS_FREE
+            self._fw_add(p, 1)
+            self.num_free += 1
+        self.thread = None
+        self.gate_acquire = None
+        self.gate_release = None
+        with nogil:
+            pthread_mutex_lock(&self.map_lock)
+            try:
+                self._refresh_physical()
+            finally:
+                pthread_mutex_unlock(&self.map_lock)
+        self.bg_active_time = _now()
+
+    def __dealloc__(self):
+        cdef int i
+        if self.batch_fence != NULL and self.backend is not None:
+            for i in range(self.num_batches):
+                try:
+                    self.backend._release_fence(self.batch_fence[(self.batch_head + i) % self.num_table_pages])
+                except Exception:
+                    pass
+        free(self.state)
+        free(self.weight)
+        free(self.fw_count)
+        free(self.fw_weight)
+        free(self.pool)
+        free(self.pend_ids)
+        free(self.batch_fence)
+        free(self.batch_count)
+        free(self.scratch)
+        pthread_cond_destroy(&self.wake)
+        pthread_mutex_destroy(&self.map_lock)
+        pthread_mutex_destroy(&self.lock)
+
+    # -- the free set: a Fenwick tree over page ids (count and weight) -----------------------
+    cdef void _fw_add(self, int32_t page_id, int sign) noexcept nogil:
+        cdef int i = page_id + 1
+        cdef int64_t w = <int64_t>self.weight[page_id] * sign
+        while i <= self.num_table_pages:
+            self.fw_count[i] += sign
+            self.fw_weight[i] += w
+            i += i & (-i)
+
+    cdef int32_t _fw_pop_lowest(self) noexcept nogil:
+        """Remove and return the lowest free id (the caller checked num_free > 0; under lock)."""
+        cdef int pos = 0, step = self.fw_top
+        while step:
+            if pos + step <= self.num_table_pages and self.fw_count[pos + step] < 1:
+                pos += step
+            step >>= 1
+        self._fw_add(pos, -1)
+        self.num_free -= 1
+        return pos
+
+    cdef int _fw_count_for_weight(self, int64_t need) noexcept nogil:
+        """How many of the lowest free ids it takes to hold `need` (> 0) weight; -1 if all of
+        them do not. O(log pages), under lock."""
+        cdef int pos = 0, step = self.fw_top, k = 0
+        cdef int64_t rest = need
+        while step:
+            if pos + step <= self.num_table_pages and self.fw_weight[pos + step] < rest:
+                pos += step
+                rest -= self.fw_weight[pos]
+                k += self.fw_count[pos]
+            step >>= 1
+        if pos >= self.num_table_pages:
+            return -1
+        return k + 1
+
+    cdef int64_t _fw_weight_of_lowest(self, int k) noexcept nogil:
+        """Total weight of the k lowest free ids (0 <= k <= num_free). O(log pages), under lock."""
+        cdef int pos = 0, step = self.fw_top, rest = k
+        cdef int64_t total = 0
+        if k <= 0:
+            return 0
+        while step:
+            if pos + step <= self.num_table_pages and self.fw_count[pos + step] < rest:
+                pos += step
+                rest -= self.fw_count[pos]
+                total += self.fw_weight[pos]
+            step >>= 1
+        return total + self.weight[pos]
+
+    cdef void _release_page(self, int32_t page_id) noexcept nogil:
+        # an unmapped id goes back to the free set, or outside when above capacity (under lock)
+        if page_id < self.capacity_pages and self.weight[page_id] > 0:
+            self.state[page_id] = _PS_FREE
+            self._fw_add(page_id, 1)
+            self.num_free += 1
+        else:
+            self.state[page_id] = _PS_OUTSIDE
+
+    cdef void _unpop_pool(self, int n, const int32_t* ids) noexcept nogil:
+        # undo taking ids[0..n) off the pool's top, in that order (under lock)
+        cdef int i
+        cdef int32_t p
+        for i in range(n - 1, -1, -1):
+            p = ids[i]
+            self.state[p] = _PS_POOL
+            self.pool[self.num_pool] = p
+            self.num_pool += 1
+            self.pool_weight += self.weight[p]
+
+    # -- taking pages -------------------------------------------------------------------------
+    cdef int _take_pool_locked(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil:
+        cdef int k = 0
+        cdef int64_t got = 0
+        cdef int32_t p
+        if (self.pool_weight if by_weight else self.num_pool) < need:
+            return _NEED_SLOW
+        while got < need:
+            self.num_pool -= 1
+            p = self.pool[self.num_pool]
+            self.pool_weight -= self.weight[p]
+            self.state[p] = _PS_USED
+            out[k] = p
+            k += 1
+            got += self.weight[p] if by_weight else 1
+        self.num_used += k
+        n_out[0] = k
+        self.num_pool_hits += 1
+        self.activity += 1
+        self.idle_trimmed = False
+        if self.bg_running and self.num_pool < self.min_reserved:
+            pthread_cond_signal(&self.wake)
+        return 0
+
+    cdef int take_pool(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil:
+        """Pages holding `need` weight (blocks when by_weight, else pages) from the pool only.
+
+        Returns 0 with the ids in out[0..n_out), or _NEED_SLOW with nothing taken. No driver
+        call, no Python: safe with the GIL held. Takes `lock`."""
+        cdef int rc
+        n_out[0] = 0
+        if need <= 0:
+            return 0
+        pthread_mutex_lock(&self.lock)
+        rc = self._take_pool_locked(need, by_weight, out, n_out)
+        pthread_mutex_unlock(&self.lock)
+        return rc
+
+    cdef int take_pages(self, int n, int32_t* out) except -1 nogil:
+        """n mapped page ids into out[0..n): from the pool first, else free ids mapped in one
+        batched page-table call. Returns 0, or _OOM with everything exactly as before. Call
+        without the GIL (it may map). Takes map_lock (slow path) and lock."""
+        cdef int got = 0
+        return self._take(n, False, out, &got)
+
+    cdef int take_blocks(self, int64_t need, int32_t* out, int* n_out) except -1 nogil:
+        """The fewest pages — pool pages first (top down), then the lowest free ids — whose
+        weights (blocks, set by the BlockAllocator) sum to at least `need`. Same contract as
+        take_pages; the ids are in out[0..n_out)."""
+        return self._take(need, True, out, n_out)
+
+    cdef int _take(self, int64_t need, bint by_weight, int32_t* out, int* n_out) except -1 nogil:
+        cdef int rc = 0, np = 0, k = 0, i
+        cdef int64_t rest
+        cdef int32_t p
+        cdef bint finished = False, gated = False
+        n_out[0] = 0
+        if need <= 0:
+            return 0
+        if self.take_pool(need, by_weight, out, n_out) == 0:
+            return 0
+        pthread_mutex_lock(&self.map_lock)
+        try:
+            self._drain(False)
+            pthread_mutex_lock(&self.lock)
+            self.num_slow_path += 1
+            if self._take_pool_locked(need, by_weight, out, n_out) == 0:
+                pthread_mutex_unlock(&self.lock)
+                return 0
+            # Capacity first, before anything changes (Note [Page allocator states]).
+            rest = need - (self.pool_weight if by_weight else self.num_pool)
+            if by_weight:
+                k = self._fw_count_for_weight(rest)
+            else:
+                k = <int>rest if rest <= self.num_free else -1
+            if k >= 0 and self.limit_pages >= 0 and \
+                    self.num_used + self.num_pool + self.num_transit + k > self.limit_pages:
+                k = -1
+            if k < 0:
+                self.num_oom += 1
+                pthread_mutex_unlock(&self.lock)
+                return _OOM
+            np = self.num_pool
+            for i in range(np):
+                p = self.pool[np - 1 - i]
+                self.state[p] = _PS_USED
+                out[i] = p
+            self.num_pool = 0
+            self.pool_weight = 0
+            self.num_used += np
+            for i in range(k):
+                p = self._fw_pop_lowest()
+                self.state[p] = _PS_TRANSIT
+                out[np + i] = p
+            self.num_transit += k
+            self.activity += 1
+            self.idle_trimmed = False
+            pthread_mutex_unlock(&self.lock)
+            try:
+                if self._gate_acquire(k) == 0:
+                    rc = _OOM
+                else:
+                    gated = True
+                    rc = self.table.map_pages(out + np, k)
+                finished = True
+            finally:
+                if gated and (not finished or rc != 0):
+                    gated = False
+                    self._gate_release(k)
+                pthread_mutex_lock(&self.lock)
+                if finished and rc == 0:
+                    for i in range(k):
+                        self.state[out[np + i]] = _PS_USED
+                    self.num_used += k
+                    self.num_maps += k
+                else:
+                    for i in range(k):
+                        self._release_page(out[np + i])
+                    self.num_used -= np
+                    self._unpop_pool(np, out)
+                    self.num_oom += 1
+                self.num_transit -= k
+                pthread_mutex_unlock(&self.lock)
+            if rc != 0:
+                self._refresh_physical()
+                return _OOM
+            n_out[0] = np + k
+            return 0
+        finally:
+            pthread_mutex_unlock(&self.map_lock)
+
+    # -- returning pages ----------------------------------------------------------------------
+    cdef int return_pages_fast(self, int n, const int32_t* ids) noexcept nogil:
+        """Put n used pages into the pool if all fit (pool <= max_reserved, limit respected).
+        Returns 0, or _NEED_SLOW with nothing changed. No driver call, no Python. Takes lock."""
+        cdef int i
+        cdef int32_t p
+        pthread_mutex_lock(&self.lock)
+        if self.num_pool + n > self.max_reserved or (
+                self.limit_pages >= 0 and self.num_used + self.num_pool + self.num_transit > self.limit_pages):
+            pthread_mutex_unlock(&self.lock)
+            return _NEED_SLOW
+        for i in range(n):
+            p = ids[i]
+            self.state[p] = _PS_POOL
+            self.pool[self.num_pool] = p
+            self.num_pool += 1
+            self.pool_weight += self.weight[p]
+        self.num_used -= n
+        self.activity += 1
+        self.idle_trimmed = False
+        pthread_mutex_unlock(&self.lock)
+        return 0
+
+    cdef int return_pages(self, int n, const int32_t* ids) except -1 nogil:
+        """Pages that became empty (each used; the caller checked): into the pool up to
+        max_reserved (and the limit), the rest pending behind one fence recorded on `stream`,
+        unmapped once it is done (Note [Deferred unmap]). Call without the GIL. Takes lock, and
+        map_lock only if free (a busy one means someone else will drain)."""
+        cdef int i, k, room, tail
+        cdef int32_t p
+        cdef uintptr_t fence = 0
+        if n <= 0:
+            return 0
+        if self.return_pages_fast(n, ids) == 0:
+            return 0
+        self.backend._record_fence(self.stream, &fence)
+        pthread_mutex_lock(&self.lock)
+        room = self.max_reserved - self.num_pool
+        if self.limit_pages >= 0:
+            room = min(room, self.limit_pages - (self.num_used - n) - self.num_pool - self.num_transit)
+        k = max(0, min(n, room))
+        for i in range(k):
+            p = ids[i]
+            self.state[p] = _PS_POOL
+            self.pool[self.num_pool] = p
+            self.num_pool += 1
+            self.pool_weight += self.weight[p]
+        if n > k:
+            tail = self.pend_head + self.num_pending
+            for i in range(k, n):
+                p = ids[i]
+                self.state[p] = _PS_PENDING
+                self.pend_ids[tail % self.num_table_pages] = p
+                tail += 1
+            i = (self.batch_head + self.num_batches) % self.num_table_pages
+            self.batch_fence[i] = fence
+            self.batch_count[i] = n - k
+            self.num_batches += 1
+            self.num_pending += n - k
+            self.num_fences += 1
+        self.num_used -= n
+        self.activity += 1
+        self.idle_trimmed = False
+        if self.bg_running:
+            pthread_cond_signal(&self.wake)
+        pthread_mutex_unlock(&self.lock)
+        if n == k:
+            self.backend._release_fence(fence)
+        elif pthread_mutex_trylock(&self.map_lock) == 0:
+            try:
+                self._drain(False)
+            finally:
+                pthread_mutex_unlock(&self.map_lock)
+        return 0
+
+    # -- unmapping (the holder of map_lock) ---------------------------------------------------
+    cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil:
+        """Unmap ids in transit (hold map_lock, not lock) and put them back as free/outside."""
+        cdef int i
+        if n <= 0:
+            return 0
+        self.table.unmap_pages(ids, n)
+        pthread_mutex_lock(&self.lock)
+        for i in range(n):
+            self._release_page(ids[i])
+        self.num_transit -= n
+        self.num_unmaps += n
+        pthread_mutex_unlock(&self.lock)
+        self._gate_release(n)
+        return 0
+
+    cdef int _drain(self, bint wait_all) except -1 nogil:
+        """Unmap pending batches, oldest first, while their fence is done; with wait_all, wait
+        for every fence (polling, 50 us). Hold map_lock. Stops at the first fence not done:
+        fences of one stream complete in order."""
+        cdef uintptr_t fence
+        cdef int c, i
+        while True:
+            pthread_mutex_lock(&self.lock)
+            if self.num_batches == 0:
+                pthread_mutex_unlock(&self.lock)
+                return 0
+            fence = self.batch_fence[self.batch_head]
+            pthread_mutex_unlock(&self.lock)
+            if self.backend._fence_done(fence) != 1:
+                if not wait_all:
+                    return 0
+                usleep(50)
+                continue
+            pthread_mutex_lock(&self.lock)
+            c = self.batch_count[self.batch_head]
+            for i in range(c):
+                self.scratch[i] = self.pend_ids[(self.pend_head + i) % self.num_table_pages]
+                self.state[self.scratch[i]] = _PS_TRANSIT
+            self.pend_head = (self.pend_head + c) % self.num_table_pages
+            self.batch_head = (self.batch_head + 1) % self.num_table_pages
+            self.num_batches -= 1
+            self.num_pending -= c
+            self.num_transit += c
+            pthread_mutex_unlock(&self.lock)
+            self.backend._release_fence(fence)
+            self._unmap_ids(c, self.scratch)
+
+    cdef int _pool_out(self, int keep, int below) except -1 nogil:
+        """Unmap pool ids >= `below`, then pool ids from the top until at most `keep` remain
+        (keep < 0: what the limit allows). Hold map_lock."""
+        cdef int i, j = 0, n = 0
+        cdef int32_t p
+        pthread_mutex_lock(&self.lock)
+        if keep < 0:
+            keep = self.num_pool if self.limit_pages < 0 else max(0, self.limit_pages - self.num_used - self.num_transit)
+        for i in range(self.num_pool):
+            p = self.pool[i]
+            if p >= below:
+                self.scratch[n] = p
+                n += 1
+            else:
+                self.pool[j] = p
+                j += 1
+        self.num_pool = j
+        while self.num_pool > keep:
+            self.num_pool -= 1
+            self.scratch[n] = self.pool[self.num_pool]
+            n += 1
+        for i in range(n):
+            self.state[self.scratch[i]] = _PS_TRANSIT
+            self.pool_weight -= self.weight[self.scratch[i]]
+        self.num_transit += n
+        pthread_mutex_unlock(&self.lock)
+        return self._unmap_ids(n, self.scratch)
+
+    # -- the background thread's work ----------------------------------------------------------
+    cdef int _refill(self) except -1 nogil:
+        """Map free ids into the pool up to min_reserved, the driver call outside `lock`.
+        Takes map_lock. See Note [Background thread]."""
+        cdef int k, i, fits = 0, rc = 0
+        cdef bint finished = False, gated = False
+        cdef int32_t p
+        pthread_mutex_lock(&self.map_lock)
+        try:
+            pthread_mutex_lock(&self.lock)
+            k = 0
+            if not (self.bg_stopping or self.idle_trimmed):
+                k = min(self.min_reserved - self.num_pool, self.num_free)
+                if self.limit_pages >= 0:
+                    k = min(k, self.limit_pages - self.num_used - self.num_pool - self.num_transit)
+            if k <= 0:
+                pthread_mutex_unlock(&self.lock)
+                return 0
+            for i in range(k):
+                p = self._fw_pop_lowest()
+                self.state[p] = _PS_TRANSIT
+                self.scratch[i] = p
+            self.num_transit += k
+            pthread_mutex_unlock(&self.lock)
+            try:
+                if self._gate_acquire(k) == 0:
+                    rc = _OOM
+                else:
+                    gated = True
+                    rc = self.table.map_pages(self.scratch, k)
+                finished = True
+            finally:
+                if gated and (not finished or rc != 0):
+                    self._gate_release(k)
+                pthread_mutex_lock(&self.lock)
+                if finished and rc == 0:
+                    # a limit set while we mapped wins: keep only what still fits
+                    fits = k
+                    if self.limit_pages >= 0:
+                        fits = max(0, min(k, self.limit_pages - self.num_used - self.num_pool - (self.num_transit - k)))
+                    for i in range(fits):
+                        p = self.scratch[i]
+                        self.state[p] = _PS_POOL
+                        self.pool[self.num_pool] = p
+                        self.num_pool += 1
+                        self.pool_weight += self.weight[p]
+                    self.num_transit -= fits
+                    self.num_maps += k
+                    self.num_refills += 1
+                else:
+                    for i in range(k):
+                        self._release_page(self.scratch[i])
+                    self.num_transit -= k
+                    self.bg_backoff = True
+                pthread_mutex_unlock(&self.lock)
+            if rc != 0:
+                self._refresh_physical()
+            elif fits < k:
+                self._unmap_ids(k - fits, self.scratch + fits)
+            return 0
+        finally:
+            pthread_mutex_unlock(&self.map_lock)
+
+    cdef int _refresh_physical(self) except -1 nogil:
+        """Ask the backend for its free physical bytes (a driver call on CUDA). Hold map_lock."""
+        cdef size_t free_bytes = 0, base
+        self.backend._free_physical_bytes(&free_bytes)
+        pthread_mutex_lock(&self.backend._lock)
+        base = self.backend.physical_bytes
+        pthread_mutex_unlock(&self.backend._lock)
+        pthread_mutex_lock(&self.lock)
+        self.phys_snapshot = free_bytes
+        self.phys_base = base
+        self.phys_time = _now()
+        pthread_mutex_unlock(&self.lock)
+        return 0
+
+    cdef int _gate_acquire(self, int n) except -1 nogil:
+        if n <= 0 or not self.has_gate:
+            return 1
+        with gil:
+            return 1 if self.gate_acquire(<size_t>n * self.page_bytes) else 0
+
+    cdef int _gate_release(self, int n) except -1 nogil:
+        if n <= 0 or not self.has_gate:
+            return 0
+        with gil:
+            self.gate_release(<size_t>n * self.page_bytes)
+        return 0
+
+    cdef int _bg_step(self) except -1 nogil:
+        """One round of the background thread: sleep until woken or a period passes, then drain,
+        apply the idle policy or refill, refresh the physical figure. Returns 1 to exit."""
+        cdef double now, period
+        cdef timespec deadline
+        cdef bint want, idle
+        cdef uint64_t act
+        pthread_mutex_lock(&self.lock)
+        if not self.bg_stopping:
+            want = (not self.idle_trimmed and self.num_pool < self.min_reserved and self.num_free > 0
+                    and (self.limit_pages < 0
+                         or self.num_used + self.num_pool + self.num_transit < self.limit_pages))
+            if self.bg_backoff or not (want or self.num_batches > 0):
+                period = 0.01 if self.num_batches > 0 else 0.1
+                if self.idle_trim_s > 0 and not self.idle_trimmed and self.num_pool > 0:
+                    period = max(0.001, min(period, self.bg_active_time + self.idle_trim_s - _now()))
+                clock_gettime(CLOCK_MONOTONIC, &deadline)
+                deadline.tv_sec += <long>period
+                deadline.tv_nsec += <long>((period - <long>period) * 1e9)
+                if deadline.tv_nsec >= 1000000000:
+                    deadline.tv_sec += 1
+                    deadline.tv_nsec -= 1000000000
+                pthread_cond_timedwait(&self.wake, &self.lock, &deadline)
+            self.bg_backoff = False
+        if self.bg_stopping:
+            pthread_mutex_unlock(&self.lock)
+            return 1
+        act = self.activity
+        idle = self.idle_trim_s > 0 and not self.idle_trimmed
+        pthread_mutex_unlock(&self.lock)
+        now = _now()
+        if act != self.bg_seen_activity:
+            self.bg_seen_activity = act
+            self.bg_active_time = now
+            idle = False
+        idle = idle and now - self.bg_active_time >= self.idle_trim_s
+        pthread_mutex_lock(&self.map_lock)
+        try:
+            self._drain(False)
+            if idle:
+                self._pool_out(0, self.num_table_pages)
+                self.backend.release_cached_handles()
+                pthread_mutex_lock(&self.lock)
+                if self.activity == act:
+                    self.idle_trimmed = True
+                self.num_idle_trims += 1
+                pthread_mutex_unlock(&self.lock)
+            if now - self.phys_time >= 0.005:
+                self._refresh_physical()
+        finally:
+            pthread_mutex_unlock(&self.map_lock)
+        if not idle:
+            self._refill()
+        return 0
+
+    def _run(self):
+        # The whole loop runs without the GIL (taking it back after every round would make the
+        # thread wait a switch interval behind a busy Python caller); only errors come back here.
+        while True:
+            try:
+                with nogil:
+                    while self._bg_step() == 0:
+                        pass
+                return
+            except BaseException as exc:  # keep serving; the owner reads last_error
+                self.last_error = exc
+                with nogil:
+                    pthread_mutex_lock(&self.lock)
+                    self.bg_backoff = True
+                    pthread_mutex_unlock(&self.lock)
+
+    # -- the weights (BlockAllocator) ---------------------------------------------------------
+    cdef int _bind_weights(self, const int32_t* weights) except -1:
+        """Set each page's weight (the blocks it holds); pages of weight 0 are never handed out.
+        Only before any page was taken or pooled. Raises KVCachedConfigError otherwise."""
+        cdef int p
+        cdef bint busy
+        with nogil:
+            pthread_mutex_lock(&self.map_lock)
+            pthread_mutex_lock(&self.lock)
+            busy = self.weights_bound or self.num_used or self.num_pool or self.num_pending or self.num_transit
+            if not busy:
+                for p in range(self.num_table_pages):
+                    if self.state[p] == _PS_FREE:
+                        self._fw_add(p, -1)
+                        self.num_free -= 1
+                    self.weight[p] = weights[p]
+                    self.state[p] = _PS_OUTSIDE
+                    if p < self.capacity_pages:
+                        self._release_page(p)
+                self.weights_bound = True
+            pthread_mutex_unlock(&self.lock)
+            pthread_mutex_unlock(&self.map_lock)
+        if busy:
+            raise KVCachedConfigError(
+                "this PageAllocator already serves a BlockAllocator or has pages mapped; build the "
+                "BlockAllocator on a fresh PageAllocator, before start().")
+        return 0
+
+    cdef int64_t available_weight(self, bint by_weight) noexcept nogil:
+        """What take_blocks (by_weight) or take_pages could deliver now: the whole pool plus the
+        lowest free ids that the limit and the free physical memory figure allow. Counters only,
+        no driver call. Takes lock (and the backend's lock, to read its counters)."""
+        cdef int64_t free_phys, k
+        cdef size_t physical, cached
+        pthread_mutex_lock(&self.lock)
+        pthread_mutex_lock(&self.backend._lock)
+        physical = self.backend.physical_bytes
+        cached = self.backend.cached_bytes
+        pthread_mutex_unlock(&self.backend._lock)
+        free_phys = <int64_t>self.phys_snapshot - (<int64_t>physical - <int64_t>self.phys_base) + <int64_t>cached
+        k = self.num_free
+        if self.limit_pages >= 0:
+            k = min(k, <int64_t>self.limit_pages - self.num_used - self.num_pool - self.num_transit)
+        k = min(k, free_phys // <int64_t>self.page_bytes)
+        k = max(0, k)
+        if by_weight:
+            k = (self.pool_weight + self._fw_weight_of_lowest(<int>k))
+        else:
+            k += self.num_pool
+        pthread_mutex_unlock(&self.lock)
+        return k
+
+    # -- Python surface -----------------------------------------------------------------------
+    def available_pages(self) -> int:
+        """Pages take_pages could deliver now: pool + min(free ids, free physical memory / page
+        bytes, limit headroom). O(1), no driver call (the physical figure is refreshed by the
+        background thread and after out of memory, corrected by this backend's own creates and
+        releases since). Exact on the host backend; on CUDA other processes may change it."""
+        return self.available_weight(False)
+
+    def take(self, int n):
+        """n mapped page ids (a list), or None when out of memory / over the limit (nothing
+        changed). Raises ValueError for n < 0. For tests and tools; the BlockAllocator calls
+        take_blocks."""
+        cdef int32_t* out
+        cdef int rc
+        if n < 0:
+            raise ValueError(f"n={n} must be >= 0")
+        if self.weights_bound:
+            raise KVCachedConfigError("this PageAllocator serves a BlockAllocator; take blocks through it")
+        out = <int32_t*>malloc(max(1, n) * sizeof(int32_t))
+        if out == NULL:
+            raise MemoryError
+        try:
+            with nogil:
+                rc = self.take_pages(n, out)
+            return None if rc == _OOM else [out[i] for i in range(n)]
+        finally:
+            free(out)
+
+    def give_back(self, page_ids):
+        """Return pages taken with take(). Raises MappingError (nothing changed) for an id that is
+        not in use or repeated."""
+        cdef int32_t[::1] ids
+        cdef int i, n
+        cdef int64_t bad = -1
+        import numpy as np
+        arr = np.ascontiguousarray(np.asarray(page_ids, dtype=np.int64).reshape(-1))
+        if np.unique(arr).size != arr.size:
+            raise MappingError(f"page ids {arr.tolist()} contain duplicates")
+        if arr.size == 0:
+            return
+        ids = arr.astype(np.int32)
+        n = <int>ids.shape[0]
+        with nogil:
+            pthread_mutex_lock(&self.lock)
+            for i in range(n):
+                if not 0 <= ids[i] < self.num_table_pages or self.state[ids[i]] != _PS_USED:
+                    bad = ids[i]
+                    break
+            pthread_mutex_unlock(&self.lock)
+        if bad >= 0:
+            raise MappingError(f"page id {bad} is not in use")
+        with nogil:
+            self.return_pages(<int>ids.shape[0], &ids[0])
+
+    def set_limit_pages(self, int limit_pages):
+        """Cap in-use + pool at `limit_pages` (-1: no cap). Pool pages over the cap are unmapped
+        now; pages in use stay, and no page is mapped while over it."""
+        if limit_pages < -1:
+            raise KVCachedConfigError(f"limit_pages={limit_pages} must be >= 0, or -1 for no limit")
+        with nogil:
+            pthread_mutex_lock(&self.lock)
+            self.limit_pages = limit_pages
+            pthread_mutex_unlock(&self.lock)
+            pthread_mutex_lock(&self.map_lock)
+            try:
+                self._pool_out(-1, self.num_table_pages)
+            finally:
+                pthread_mutex_unlock(&self.map_lock)
+            pthread_mutex_lock(&self.lock)
+            if self.bg_running:
+                pthread_cond_signal(&self.wake)
+            pthread_mutex_unlock(&self.lock)
+
+    def set_pool_bounds(self, int min_reserved, int max_reserved):
+        """Change the pool bounds; a pool above the new maximum is unmapped down to it."""
+        if min_reserved < 0 or max_reserved < 0 or min_reserved > max_reserved:
+            raise KVCachedConfigError(
+                f"pool bounds min_reserved={min_reserved}, max_reserved={max_reserved} must satisfy "
+                f"0 <= min_reserved <= max_reserved.")
+        with nogil:
+            pthread_mutex_lock(&self.map_lock)
+            try:
+                pthread_mutex_lock(&self.lock)
+                self.min_reserved = min_reserved
+                self.max_reserved = max_reserved
+                if self.bg_running:
+                    pthread_cond_signal(&self.wake)
+                pthread_mutex_unlock(&self.lock)
+                self._pool_out(max_reserved, self.num_table_pages)
+            finally:
+                pthread_mutex_unlock(&self.map_lock)
+
+    def set_idle_trim(self, double idle_trim_s):
+        if idle_trim_s < 0:
+            raise KVCachedConfigError(f"idle_trim_s={idle_trim_s} must be >= 0 (0 disables idle trimming).")
+        self.idle_trim_s = idle_trim_s
+
+    def set_budget_gate(self, acquire=None, release=None):
+        """An external budget: `acquire(nbytes) -> bool` before mapping (False = out of memory),
+        `release(nbytes)` after unmapping; both called without any allocator lock but map_lock,
+        batched, never on the pool fast path. None, None removes it."""
+        if (acquire is None) != (release is None) or (acquire is not None and not (callable(acquire) and callable(release))):
+            raise KVCachedConfigError("set_budget_gate needs two callables (acquire, release), or neither")
+        with nogil:
+            pthread_mutex_lock(&self.map_lock)
+        self.gate_acquire = acquire
+        self.gate_release = release
+        self.has_gate = acquire is not None
+        pthread_mutex_unlock(&self.map_lock)
+
+    def resize(self, int num_pages) -> bool:
+        """Set the capacity to `num_pages` page ids. Growing adds free ids (never past the table's
+        num_pages); shrinking drops — unmapping pool ones — the ids at or above it, and returns
+        False, changing nothing, if any of them is in use. Pending ids above it leave when their
+        fence is done. Raises KVCachedConfigError outside [0, table.num_pages]."""
+        cdef int p, old
+        cdef bint busy = False
+        if not 0 <= num_pages <= self.num_table_pages:
+            raise KVCachedConfigError(
+                f"num_pages={num_pages} is outside [0, {self.num_table_pages}]: the page table reserves "
+                f"{self.num_table_pages} page ids; build a larger table to grow past it.")
+        with nogil:
+            pthread_mutex_lock(&self.map_lock)
+            try:
+                pthread_mutex_lock(&self.lock)
+                old = self.capacity_pages
+                if num_pages < old:
+                    for p in range(num_pages, old):
+                        if self.state[p] == _PS_USED:
+                            busy = True
+                            break
+                if not busy:
+                    if num_pages < old:
+                        for p in range(num_pages, old):
+                            if self.state[p] == _PS_FREE:
+                                self._fw_add(p, -1)
+                                self.num_free -= 1
+                                self.state[p] = _PS_OUTSIDE
+                    self.capacity_pages = num_pages
+                    for p in range(old, num_pages):
+                        if self.state[p] == _PS_OUTSIDE:
+                            self._release_page(p)
+                    if self.bg_running:
+                        pthread_cond_signal(&self.wake)
+                pthread_mutex_unlock(&self.lock)
+                if not busy and num_pages < old:
+                    self._pool_out(self.max_reserved, num_pages)
+            finally:
+                pthread_mutex_unlock(&self.map_lock)
+        return not busy
+
+    def trim(self):
+        """Unmap the whole pool and every pending page whose fence is done, and release the
+        backend's cached handles. The background thread does not refill until the next take or
+        return."""
+        with nogil:
+            pthread_mutex_lock(&self.map_lock)
+            try:
+                self._drain(False)
+                self._pool_out(0, self.num_table_pages)
+                self.backend.release_cached_handles()
+                pthread_mutex_lock(&self.lock)
+                self.idle_trimmed = True
+                pthread_mutex_unlock(&self.lock)
+            finally:
+                pthread_mutex_unlock(&self.map_lock)
+
+    def drain(self, bint wait=False):
+        """Unmap pending pages whose fence is done (wait=True: wait for every fence)."""
+        with nogil:
+            pthread_mutex_lock(&self.map_lock)
+            try:
+                self._drain(wait)
+            finally:
+                pthread_mutex_unlock(&self.map_lock)
+
+    def refresh_physical(self):
+        """Ask the backend for its free physical memory now (a driver call on CUDA)."""
+        with nogil:
+            pthread_mutex_lock(&self.map_lock)
+            try:
+                self._refresh_physical()
+            finally:
+                pthread_mutex_unlock(&self.map_lock)
+
+    def start(self):
+        """Start the background thread (daemon). No-op when it runs."""
+        if self.thread is not None:
+            return
+        self.bg_stopping = False
+        self.bg_running = True
+        self.thread = _threading.Thread(target=self._run, name="kvcached-page-allocator", daemon=True)
+        self.thread.start()
+
+    def stop(self):
+        """Stop the background thread and wait for it (it exits within one driver batch)."""
+        thread = self.thread
+        if thread is None:
+            return
+        with nogil:
+            pthread_mutex_lock(&self.lock)
+            self.bg_stopping = True
+            pthread_cond_signal(&self.wake)
+            pthread_mutex_unlock(&self.lock)
+        thread.join()
+        self.thread = None
+        self.bg_running = False
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None
+
+    def close(self):
+        """Stop the thread, wait for pending fences, unmap the pool. Pages in use stay mapped."""
+        self.stop()
+        self.drain(True)
+        self.trim()
+
+    def stats(self) -> dict:
+        """A consistent snapshot of the counts and counters (taken under one lock)."""
+        cdef int v[8]
+        cdef uint64_t c[10]
+        cdef size_t phys
+        with nogil:
+            pthread_mutex_lock(&self.lock)
+            v[0] = self.capacity_pages; v[1] = self.num_free; v[2] = self.num_used; v[3] = self.num_pool
+            v[4] = self.num_pending; v[5] = self.num_transit; v[6] = self.limit_pages; v[7] = self.table.num_mapped
+            c[0] = self.num_maps; c[1] = self.num_unmaps; c[2] = self.num_pool_hits; c[3] = self.num_slow_path
+            c[4] = self.num_oom; c[5] = self.num_fences; c[6] = self.num_idle_trims; c[7] = self.num_refills
+            c[8] = self.activity; c[9] = <uint64_t>self.pool_weight
+            phys = self.phys_snapshot
+            pthread_mutex_unlock(&self.lock)
+        return {
+            "capacity_pages": v[0], "free": v[1], "in_use": v[2], "reserved": v[3],
+            "pending_unmap": v[4], "transit": v[5], "limit_pages": v[6], "mapped": v[7],
+            "reserved_weight": c[9], "free_physical_bytes": phys, "page_bytes": self.page_bytes,
+            "min_reserved": self.min_reserved, "max_reserved": self.max_reserved,
+            "num_maps": c[0], "num_unmaps": c[1], "num_pool_hits": c[2], "num_slow_path": c[3],
+            "num_oom": c[4], "num_fences": c[5], "num_idle_trims": c[6], "num_refills": c[7],
+            "num_take_return": c[8],
+        }
+
+    def page_states(self):
+        """numpy uint8 copy of every page id's state (0 outside, 1 free, 2 pool, 3 used,
+        4 pending, 5 transit), taken under the locks."""
+        import numpy as np
+        arr = np.empty(self.num_table_pages, dtype=np.uint8)
+        cdef uint8_t[::1] view = arr
+        with nogil:
+            pthread_mutex_lock(&self.map_lock)
+            pthread_mutex_lock(&self.lock)
+            memcpy(&view[0], self.state, self.num_table_pages)
+            pthread_mutex_unlock(&self.lock)
+            pthread_mutex_unlock(&self.map_lock)
+        return arr
+
+    def check_invariants(self):
+        """O(pages): every id in exactly one state; counts, the pool, the pending ring, the free
+        set (Fenwick tree) and the pool weight agree; mapped ids are exactly pool + used +
+        pending (the table's bits); in-use + pool within the limit when pages were added under
+        it. Raises AssertionError naming the first broken one."""
+        import numpy as np
+        cdef int P = self.num_table_pages
+        state = np.empty(P, dtype=np.uint8)
+        mapped = np.empty(P, dtype=np.uint8)
+        weight = np.empty(P, dtype=np.int32)
+        pool = np.empty(P, dtype=np.int32)
+        pend = np.empty(P, dtype=np.int32)
+        fwc = np.empty(P + 1, dtype=np.int32)
+        fww = np.empty(P + 1, dtype=np.int64)
+        cdef uint8_t[::1] vs = state, vm = mapped
+        cdef int32_t[::1] vw = weight, vp = pool, vq = pend, vc = fwc
+        cdef int64_t[::1] vf = fww
+        cdef int v[10]
+        cdef int64_t pool_weight
+        cdef int i
+        with nogil:
+            pthread_mutex_lock(&self.map_lock)
+            pthread_mutex_lock(&self.lock)
+            memcpy(&vs[0], self.state, P)
+            memcpy(&vm[0], self.table.mapped, P)
+            memcpy(&vw[0], self.weight, P * sizeof(int32_t))
+            memcpy(&vp[0], self.pool, P * sizeof(int32_t))
+            for i in range(self.num_pending):
+                vq[i] = self.pend_ids[(self.pend_head + i) % P]
+            memcpy(&vc[0], self.fw_count, (P + 1) * sizeof(int32_t))
+            memcpy(&vf[0], self.fw_weight, (P + 1) * sizeof(int64_t))
+            v[0] = self.num_free; v[1] = self.num_pool; v[2] = self.num_used; v[3] = self.num_pending
+            v[4] = self.num_transit; v[5] = self.capacity_pages; v[6] = self.table.num_mapped
+            v[7] = self.num_batches; v[8] = self.batch_head
+            pool_weight = self.pool_weight
+            v[9] = 0
+            for i in range(self.num_batches):
+                v[9] += self.batch_count[(self.batch_head + i) % P]
+            pthread_mutex_unlock(&self.lock)
+            pthread_mutex_unlock(&self.map_lock)
+        counts = np.bincount(state, minlength=6)
+        assert counts[_PS_FREE] == v[0], f"free ids {counts[_PS_FREE]} != num_free {v[0]}"
+        assert counts[_PS_POOL] == v[1], f"pool ids {counts[_PS_POOL]} != num_pool {v[1]}"
+        assert counts[_PS_USED] == v[2], f"used ids {counts[_PS_USED]} != num_used {v[2]}"
+        assert counts[_PS_PENDING] == v[3], f"pending ids {counts[_PS_PENDING]} != num_pending {v[3]}"
+        assert counts[_PS_TRANSIT] == 0 == v[4], f"ids in transit with map_lock held: {counts[_PS_TRANSIT]}, {v[4]}"
+        assert v[9] == v[3], f"pending batches hold {v[9]} ids, num_pending {v[3]}"
+        pool_ids = pool[:v[1]]
+        assert np.unique(pool_ids).size == v[1] and (state[pool_ids] == _PS_POOL).all(), "pool stack disagrees with states"
+        assert int(weight[pool_ids].sum()) == pool_weight, "pool weight disagrees"
+        pend_ids = pend[:v[3]]
+        assert np.unique(pend_ids).size == v[3] and (state[pend_ids] == _PS_PENDING).all(), "pending ring disagrees"
+        is_mapped = np.isin(state, (_PS_POOL, _PS_USED, _PS_PENDING))
+        assert (is_mapped == (mapped != 0)).all(), \
+            f"mapped ids {np.flatnonzero(mapped).tolist()} != pool+used+pending {np.flatnonzero(is_mapped).tolist()}"
+        assert int(is_mapped.sum()) == v[6], "table num_mapped disagrees"
+        free_ids = state == _PS_FREE
+        assert (np.flatnonzero(free_ids) < v[5]).all(), "a free id lies at or above capacity"
+        assert (weight[free_ids] > 0).all(), "a free id holds no block"
+        outside_low = np.flatnonzero((state == _PS_OUTSIDE)[:v[5]])
+        assert (weight[outside_low] == 0).all(), f"ids {outside_low.tolist()} below capacity are lost"
+        assert (state[v[5]:] != _PS_USED).all() and (state[v[5]:] != _PS_FREE).all(), "in use/free above capacity"
+        # the Fenwick tree: rebuild from the states and compare
+        cnt = np.zeros(P + 1, dtype=np.int64)
+        wt = np.zeros(P + 1, dtype=np.int64)
+        for p in np.flatnonzero(free_ids).tolist():
+            j = p + 1
+            while j <= P:
+                cnt[j] += 1
+                wt[j] += weight[p]
+                j += j & -j
+        assert (cnt == fwc).all() and (wt == fww).all(), "free-set tree disagrees with the states"
+        return True
+
+
+# Note [Page allocator states]
+# Every page id is in exactly one state: outside (at/above capacity, or weight 0), free, pool,
+# used, pending, transit. Transit exists only while the holder of map_lock maps or unmaps the id,
+# with `lock` released so that the pool fast path, stats and returns go on during the driver call.
+# A take checks capacity (free ids, the limit) before anything changes and moves ids to transit;
+# if mapping reports out of memory (or the budget gate refuses), exactly those ids go back where
+# they were — pool ids onto the pool in their old order, free ids into the free set — so the
+# caller sees the allocator as before. resize and limits hold map_lock too, so no transit id can
+# be dropped under a mapper; the refill still re-checks the limit after mapping, because
+# set_limit_pages changes it under `lock` alone, before it waits for map_lock to trim the pool.
+#
+# Note [Deferred unmap]
+# On CUDA, freeing a block only means the engine will not *queue* more work on it; kernels queued
+# before may still read it. So pages beyond the pool are not unmapped at once: return_pages records
+# one fence (an event on `stream`) per call and queues the pages behind it; they are unmapped when
+# it is done — checked by later returns and slow takes (cuEventQuery, ~1 us, only on the slow path)
+# and by the background thread every 10 ms while any are pending. Never a device synchronize. On the
+# host the fence is done at once and the same path unmaps immediately. Pages reused from the pool
+# need no fence: the engine orders a block's reuse after its last use, as with any cache.
+#
+# Note [Background thread]
+# The thread sleeps on a condition variable (woken when a take leaves the pool under min_reserved,
+# on returns that queue pending pages, and on limit/resize/stop), or at most 100 ms (10 ms while
+# unmaps are pending). Each round: drain done fences; if idle_trim_s passed with no take/return,
+# unmap the pool and release cached handles (and do not refill until the next activity);
+# otherwise refill the pool to min_reserved — ids taken from the free set under `lock`, mapped
+# with only map_lock held, and pooled under `lock` again, keeping only what the limit still
+# allows. It refreshes the free-physical-memory figure at most every 5 ms, so available_pages()
+# never calls the driver. After a failed refill it sleeps one full period before trying again.

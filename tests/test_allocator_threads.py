@@ -1,0 +1,82 @@
+"""8 threads allocating and freeing at once, with the background thread running and an operator
+thread trimming and checking: no id is ever live in two places, and nothing is lost at the end."""
+
+import random
+import threading
+
+import numpy as np
+
+KIB = 1 << 10
+
+
+def test_eight_threads_churn(stack_factory):
+    s = stack_factory(num_pages=64, capacity_granules=48, segments=2, block_bytes=16 * KIB,
+                      min_reserved=2, max_reserved=4)
+    s.pages.start()
+    owner = {}                                   # block id -> thread index
+    owner_lock = threading.Lock()
+    errors = []
+    stop = threading.Event()
+    barrier = threading.Barrier(9)
+
+    def worker(index):
+        rng = random.Random(index)
+        mine = []
+        try:
+            barrier.wait()
+            for _ in range(1500):
+                if mine and rng.random() < 0.5:
+                    batch = mine.pop(rng.randrange(len(mine)))
+                    with owner_lock:
+                        for b in batch:
+                            assert owner.pop(b) == index
+                    if rng.random() < 0.5:
+                        s.blocks.free(batch)
+                    else:
+                        s.blocks.free_from(np.array(batch, dtype=np.int32))
+                else:
+                    got = s.blocks.alloc(rng.choice((1, 2, 4, 16, 33)))
+                    if got is None:
+                        continue
+                    with owner_lock:
+                        for b in got:
+                            assert b not in owner, f"block {b} handed to threads {owner[b]} and {index}"
+                            owner[b] = index
+                    mine.append(got)
+            for batch in mine:
+                with owner_lock:
+                    for b in batch:
+                        owner.pop(b)
+                s.blocks.free(batch)
+        except BaseException as exc:   # reported below
+            errors.append(exc)
+
+    def operator():
+        barrier.wait()
+        n = 0
+        while not stop.is_set():
+            n += 1
+            s.blocks.available_blocks()
+            s.blocks.stats()
+            if n % 7 == 0:
+                s.blocks.trim()
+            if n % 11 == 0:
+                s.blocks.check_invariants()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    op = threading.Thread(target=operator)
+    for t in threads + [op]:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    op.join()
+    s.pages.stop()
+    assert not errors, errors[0]
+    assert owner == {}
+    st = s.blocks.stats()
+    assert st["allocated"] == 0 and st["owned_pages"] == 0 and st["pages"]["in_use"] == 0
+    assert s.pages.last_error is None
+    s.blocks.check_invariants()
+    s.pages.drain(wait=True)
+    assert s.pages.stats()["mapped"] == s.pages.stats()["reserved"]

@@ -1,0 +1,266 @@
+"""BlockAllocator on the host backend: placement policy, the available contract, bad input,
+zero-copy variants, try_to_reserve, clear, and data integrity through real memory."""
+
+import numpy as np
+import pytest
+
+from kvcached._core import BlockAllocator, PageAllocator
+from kvcached.errors import BlockStateError, KVCachedConfigError
+
+from conftest import GRANULARITY, make_table, state_of
+
+KIB = 1 << 10
+
+
+def page_of(s, b):
+    return b * s.blocks.id_to_page_num // s.blocks.id_to_page_den
+
+
+def test_dense_intervals_skip_straddling_blocks(stack_factory):
+    s = stack_factory(num_pages=4, block_bytes=24 * KIB)          # 64 KiB pages, 24 KiB blocks
+    states = s.blocks.block_states()
+    # block 2 covers [48, 72) KiB: straddles pages 0 and 1
+    assert states[2] == 2 and states[0] == 0 and states[1] == 0
+    assert s.blocks.total_blocks == int((states == 0).sum())
+    ids = s.blocks.alloc(s.blocks.available_blocks())
+    assert 2 not in ids and len(set(ids)) == len(ids)
+    s.blocks.check_invariants()
+
+
+def test_pages_with_no_block_are_never_mapped(stack_factory):
+    # 40 KiB blocks over 64 KiB pages: page 2 ([128, 192) KiB) holds no whole block
+    s = stack_factory(num_pages=6, block_bytes=40 * KIB, capacity_granules=None)
+    occ = s.blocks.page_occupancy(range(6))
+    assert occ[2] == (0, 0)
+    ids = s.blocks.alloc(s.blocks.available_blocks())
+    assert ids is not None
+    assert 2 not in s.table.mapped_page_ids()
+    s.blocks.check_invariants()
+
+
+def test_best_fit_then_emptiest_first(stack_factory):
+    s = stack_factory(num_pages=8, block_bytes=8 * KIB, capacity_granules=None, max_reserved=8)  # 8 per page
+    a = s.blocks.alloc(8)               # page 0 full
+    b = s.blocks.alloc(8)               # page 1 full
+    c = s.blocks.alloc(8)               # page 2 full
+    s.blocks.free(a[:5])                # page 0: 5 free
+    s.blocks.free(b[:2])                # page 1: 2 free
+    s.blocks.free(c[:7])                # page 2: 7 free
+    # fits in one page: the page with the fewest free slots that still holds 2 -> page 1
+    got = s.blocks.alloc(2)
+    assert {page_of(s, x) for x in got} == {1}
+    # 4 fits page 0 (5 free) and page 2 (7 free): best fit is page 0
+    got = s.blocks.alloc(4)
+    assert {page_of(s, x) for x in got} == {0}
+    # 8 > any page's free count (page 0: 1, page 2: 7): emptiest first (page 2), remainder best fit
+    got = s.blocks.alloc(8)
+    assert sorted(page_of(s, x) for x in got) == [0] + [2] * 7
+    assert s.table.mapped_page_ids() == [0, 1, 2]     # no new page was needed
+    s.blocks.check_invariants()
+
+
+def test_new_pages_fill_partials_then_in_order(stack_factory):
+    s = stack_factory(num_pages=8, block_bytes=8 * KIB, capacity_granules=None)
+    a = s.blocks.alloc(6)                                # page 0: 2 free
+    got = s.blocks.alloc(12)                             # 2 from page 0, then 8 + 2 on new pages
+    pages = [page_of(s, x) for x in got]
+    assert pages.count(0) == 2 and len(set(got)) == 12 and len(set(pages)) == 3
+    assert s.pages.stats()["in_use"] == 3
+    s.blocks.free(a + got)
+    assert s.pages.stats()["in_use"] == 0
+    s.blocks.check_invariants()
+
+
+@pytest.mark.parametrize("block_kib", [8, 16, 24, 40])
+@pytest.mark.parametrize("limit", [None, 3])
+def test_available_blocks_contract(stack_factory, block_kib, limit):
+    s = stack_factory(num_pages=12, capacity_granules=7, block_bytes=block_kib * KIB, max_reserved=2)
+    if limit is not None:
+        s.pages.set_limit_pages(limit)
+    held = s.blocks.alloc(3)
+    s.blocks.free(held[:1])
+    for _ in range(3):
+        n = s.blocks.available_blocks()
+        before = state_of(s)
+        assert s.blocks.alloc(n + 1) is None
+        assert state_of(s) == before
+        got = s.blocks.alloc(n)
+        assert got is not None and len(set(got)) == n
+        assert s.blocks.available_blocks() == 0 and s.blocks.alloc(1) is None
+        s.blocks.check_invariants()
+        s.blocks.free(got[: n // 2])
+    s.blocks.check_invariants()
+
+
+def test_sparse_ids(stack_factory):
+    s = stack_factory(num_pages=6, block_bytes=None, sparse=(100, 7), capacity_granules=None)
+    ids = s.blocks.alloc(10)
+    assert sorted(ids) == list(range(7)) + [100, 101, 102]
+    with pytest.raises(BlockStateError):
+        s.blocks.free([7])                               # in no page's interval
+    s.blocks.free(ids)
+    s.blocks.check_invariants()
+
+
+def test_free_errors_change_nothing(stack_factory):
+    s = stack_factory(num_pages=8, block_bytes=16 * KIB)
+    ids = s.blocks.alloc(6)
+    s.blocks.try_to_reserve(2)
+    held = [b for b, st in enumerate(s.blocks.block_states()) if st == 3]
+    before = state_of(s)
+    for bad in ([ids[0], ids[0]],                        # repeated in one call
+                [ids[1], -1],                            # negative
+                [ids[2], s.blocks.max_block_id],         # out of range
+                [ids[3], 2 ** 40],                       # not an int32
+                [ids[4], 30],                            # valid id, never allocated
+                [ids[5], held[0]]):                      # held by try_to_reserve
+        with pytest.raises(BlockStateError):
+            s.blocks.free(bad)
+        assert state_of(s) == before
+    with pytest.raises(BlockStateError):
+        s.blocks.free_from(np.array([ids[0], ids[0]], dtype=np.int32))
+    assert state_of(s) == before
+    with pytest.raises(TypeError):
+        s.blocks.free(["x"])
+    assert state_of(s) == before
+    s.blocks.free(ids)
+    with pytest.raises(BlockStateError):
+        s.blocks.free(ids[:1])                           # double free
+    with pytest.raises(ValueError):
+        s.blocks.alloc(-1)
+    with pytest.raises(ValueError):
+        s.blocks.try_to_reserve(-1)
+    assert s.blocks.alloc(0) == []
+    s.blocks.check_invariants()
+
+
+def test_constructor_validation(host_backend):
+    table, _ = make_table(host_backend, 4)
+    pages = PageAllocator(table)
+    with pytest.raises(KVCachedConfigError):
+        BlockAllocator(pages, [0, 4, 8], [4, 4, 4], 1, 4, 16)            # wrong length
+    with pytest.raises(KVCachedConfigError):
+        BlockAllocator(pages, [0, 4, 8, 12], [4, 4, 4, 5], 1, 4, 17)     # id 16 maps to page 4
+    with pytest.raises(KVCachedConfigError):
+        BlockAllocator(pages, [0, 4, 8, 12], [4, 4, 4, 4], 1, 4, 15)     # past max_block_id
+    with pytest.raises(KVCachedConfigError):
+        BlockAllocator(pages, [0, 4, 8, 12], [4, 4, -1, 4], 1, 4, 16)
+    with pytest.raises(KVCachedConfigError):
+        BlockAllocator(pages, [0, 4, 8, 12], [4, 4, 4, 4], 0, 4, 16)
+    ok = BlockAllocator(pages, [0, 4, 8, 12], [4, 4, 4, 4], 1, 4, 16)
+    assert ok.total_blocks == 16
+    with pytest.raises(KVCachedConfigError):                             # already bound
+        BlockAllocator(pages, [0, 4, 8, 12], [4, 4, 4, 4], 1, 4, 16)
+
+
+def test_alloc_into_and_free_from(stack_factory):
+    torch = pytest.importorskip("torch")
+    s = stack_factory(num_pages=8, block_bytes=16 * KIB)
+    buf = np.empty(9, dtype=np.int32)
+    assert s.blocks.alloc_into(buf) is True
+    assert len(set(buf.tolist())) == 9
+    t = torch.empty(5, dtype=torch.int32)
+    assert s.blocks.alloc_into(t) is True
+    assert not set(t.tolist()) & set(buf.tolist())
+    big = np.empty(1000, dtype=np.int32)
+    before = state_of(s)
+    assert s.blocks.alloc_into(big) is False
+    assert state_of(s) == before
+    s.blocks.free_from(buf)
+    s.blocks.free_from(t)
+    assert s.blocks.stats()["allocated"] == 0
+    with pytest.raises(ValueError):
+        s.blocks.alloc_into(np.empty(4, dtype=np.int64))
+    s.blocks.check_invariants()
+
+
+def test_try_to_reserve_and_free_reserved(stack_factory):
+    s = stack_factory(num_pages=8, capacity_granules=4, block_bytes=16 * KIB, max_reserved=0)  # 4 per page
+    assert s.blocks.try_to_reserve(6) is True
+    assert s.table.mapped_page_ids() == [0, 1]
+    assert s.blocks.available_blocks() == 16
+    before = state_of(s)
+    assert s.blocks.try_to_reserve(11) is False
+    assert state_of(s) == before
+    got = s.blocks.alloc(4)                              # from the held blocks, no page work
+    assert s.pages.stats()["num_maps"] == 2
+    assert s.blocks.stats()["held"] == 2
+    s.blocks.free_reserved()
+    assert s.blocks.stats()["held"] == 0
+    s.blocks.free(got)
+    assert s.table.mapped_page_ids() == []
+    s.blocks.check_invariants()
+
+
+def test_clear_frees_everything(stack_factory):
+    s = stack_factory(num_pages=8, block_bytes=16 * KIB, max_reserved=1)
+    s.blocks.alloc(7)
+    s.blocks.try_to_reserve(3)
+    s.blocks.clear()
+    st = s.blocks.stats()
+    assert st["allocated"] == 0 and st["held"] == 0 and st["owned_pages"] == 0
+    assert len(s.table.mapped_page_ids()) == 1           # one page kept in the pool
+    s.blocks.check_invariants()
+
+
+def test_resize_refuses_below_live_pages(stack_factory):
+    s = stack_factory(num_pages=8, block_bytes=16 * KIB, capacity_granules=None)
+    ids = s.blocks.alloc(12)                             # pages 0..2
+    before = state_of(s)
+    assert s.blocks.resize(2) is False
+    assert state_of(s) == before
+    with pytest.raises(KVCachedConfigError):
+        s.blocks.resize(9)
+    assert s.blocks.resize(3) is True
+    assert s.blocks.alloc(1) is None and s.blocks.available_blocks() == 0
+    assert s.blocks.resize(8) is True
+    assert s.blocks.available_blocks() == 20
+    s.blocks.free(ids)
+    s.blocks.check_invariants()
+
+
+@pytest.mark.parametrize("segments", [1, 4])
+@pytest.mark.parametrize("block_kib", [16, 24])
+def test_data_integrity_through_real_memory(stack_factory, segments, block_kib):
+    """Write a distinct pattern into every live block of every segment (a per_layer-like setup
+    with `segments` buffers), churn, and check that no live block changed or shares memory."""
+    torch = pytest.importorskip("torch")
+    block = block_kib * KIB
+    s = stack_factory(num_pages=12, capacity_granules=None, segments=segments, block_bytes=block,
+                      max_reserved=1)
+    views = [r.tensor() for r in s.ranges]
+    rng = np.random.default_rng(7)
+    live = {}                                            # block id -> stamp
+    stamp = 0
+
+    def write(b, value):
+        for seg, v in enumerate(views):
+            v[b * block:(b + 1) * block].fill_((value * 7 + seg) % 251)
+
+    def check():
+        for b, value in live.items():
+            for seg, v in enumerate(views):
+                want = (value * 7 + seg) % 251
+                chunk = v[b * block:(b + 1) * block]
+                assert int(chunk.min()) == want == int(chunk.max()), f"block {b} segment {seg} changed"
+
+    for step in range(60):
+        if live and rng.random() < 0.45:
+            victims = rng.choice(sorted(live), size=int(rng.integers(1, len(live) + 1)), replace=False).tolist()
+            s.blocks.free(victims)
+            for b in victims:
+                del live[b]
+        else:
+            got = s.blocks.alloc(int(rng.integers(1, 9)))
+            if got is None:
+                continue
+            for b in got:
+                assert b not in live
+                stamp += 1
+                live[b] = stamp
+                write(b, stamp)
+        check()
+        s.blocks.check_invariants()
+    # no two live blocks overlap in bytes (distinct ids of one size never do; spell it out)
+    spans = sorted((b * block, (b + 1) * block) for b in live)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
