@@ -88,6 +88,8 @@ SETTINGS: tuple[Setting, ...] = (
             "Back every unallocated page with one shared read-only zero page."),
     Setting("KVCACHED_IDLE_TRIM_S", _float_in(0.0, 86400.0), 30.0,
             "Seconds without alloc/free after which the reserved pool is trimmed; 0 disables."),
+    Setting("KVCACHED_TRACKER", _bool, True,
+            "Publish usage and accept limits through a shared-memory segment (kvctl, kvtop)."),
     Setting("KVCACHED_IPC_NAME", _name, None,
             "Name of this instance's shared-memory segment; default kvcached_<pid>_<n>."),
     Setting("KVCACHED_GLOBAL_BUDGET", _name, None,
@@ -109,6 +111,7 @@ class Settings:
     layout: str
     zero_page: bool
     idle_trim_s: float
+    tracker: bool
     ipc_name: str | None
     global_budget: str | None
     global_budget_bytes: int | None

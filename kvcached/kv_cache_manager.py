@@ -107,17 +107,20 @@ class KVCacheManager:
         self._budget = None
         if settings.global_budget is not None:
             self._attach_budget(settings.global_budget)
-        self._tracker = MemInfoTracker(self._ipc_name(settings.ipc_name), capacity_bytes=num_pages * self.page_bytes,
-                                       page_size_bytes=self.page_bytes)
-        self._tracker.start_watcher(self._apply_limit)
+        self._tracker = None
         self._closed = threading.Event()
-        self._publisher = threading.Thread(target=self._publish_loop, name=f"kvcached-publish-{group_id}",
-                                           daemon=True)
+        self._publisher = None
+        if settings.tracker:
+            self._tracker = MemInfoTracker(self._ipc_name(settings.ipc_name),
+                                           capacity_bytes=num_pages * self.page_bytes, page_size_bytes=self.page_bytes)
+            self._tracker.start_watcher(self._apply_limit)
+            self._publisher = threading.Thread(target=self._publish_loop, name=f"kvcached-publish-{group_id}",
+                                               daemon=True)
+            self._publisher.start()
         self._pages.start()
-        self._publisher.start()
         self._group.managers.append(self)
         logger.info("manager of group %d: %d blocks in %d pages of %d bytes, segment %s", group_id, num_blocks,
-                    num_pages, self.page_bytes, self._tracker.name)
+                    num_pages, self.page_bytes, self.ipc_name)
 
     def _ipc_name(self, base: str | None) -> str | None:
         if base is None:
@@ -215,7 +218,7 @@ class KVCacheManager:
         Raises ValueError for a negative limit other than -1 or a negative revision."""
         state = self._apply_limit(limit_bytes, revision)
         with self._limit_lock:
-            if state["status"] in ("applied", "deferred"):
+            if state["status"] in ("applied", "deferred") and self._tracker is not None:
                 self._tracker.set_limit(self._limit_bytes, self._limit_revision, self._limit_status)
         return state
 
@@ -269,9 +272,9 @@ class KVCacheManager:
         return self._blocks.stats()
 
     @property
-    def ipc_name(self) -> str:
-        """Name of this manager's shared-memory segment (what kvctl shows)."""
-        return self._tracker.name
+    def ipc_name(self) -> str | None:
+        """Name of this manager's shared-memory segment (what kvctl shows); None with the tracker off."""
+        return None if self._tracker is None else self._tracker.name
 
     def check_invariants(self) -> None:
         """Check every invariant of the allocators (O(blocks + pages))."""
@@ -297,8 +300,9 @@ class KVCacheManager:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._publisher.join()
-        self._tracker.close()
+        if self._tracker is not None:
+            self._publisher.join()
+            self._tracker.close()
         self._pages.stop()
         self._blocks.clear()
         self._pages.trim()
