@@ -27,6 +27,7 @@ cdef extern from "<errno.h>" nogil:
     int ENOMEM, ENOSPC
 
 DEFAULT_HANDLE_CACHE_SIZE = 8
+cdef size_t _HOST_POOL_SPAN_FACTOR = 8
 
 
 cdef int _raise_os(const char* call, int err) except -1:
@@ -462,7 +463,8 @@ cdef class HostBackend(Backend):
         self.capacity_bytes = capacity
         self.fd = memfd_create(b"kvcached-pool", MFD_CLOEXEC)
         check_os(self.fd < 0, "memfd_create")
-        if ftruncate(self.fd, <long>capacity) != 0:
+        self.pool_span_bytes = capacity * _HOST_POOL_SPAN_FACTOR
+        if ftruncate(self.fd, <long>self.pool_span_bytes) != 0:
             err = errno
             close(self.fd)
             self.fd = -1
@@ -515,7 +517,7 @@ cdef class HostBackend(Backend):
             else:
                 self.free_offsets[i] += size_bytes
                 self.free_sizes[i] -= size_bytes
-        elif self.pool_end + size_bytes <= self.capacity_bytes:
+        elif self.pool_end + size_bytes <= self.pool_span_bytes:
             offset = self.pool_end
             self.pool_end += size_bytes
         else:
@@ -589,3 +591,8 @@ cdef class HostBackend(Backend):
 # Access is granted at map time; set_access only ever lowers it (read-only zero page).
 # Memory is measured by the memfd's st_blocks or /proc/meminfo Shmem, not RSS, which counts each
 # mapping of a shared page again.
+#
+# The memfd is _HOST_POOL_SPAN_FACTOR times larger than capacity_bytes (holes cost nothing): free
+# slots are reused by size but never merged, so a backend serving mappings of several sizes
+# (per_layer pages, then compound ones) would otherwise run out of offsets before it runs out of
+# memory. capacity_bytes is enforced on physical_bytes, not on offsets.

@@ -66,6 +66,7 @@ cdef class HostBackend(Backend):
     cdef int fd                                 # the pool memfd: every page is a slot of it
     cdef readonly size_t capacity_bytes         # most bytes the pool hands out ("device memory")
     cdef size_t pool_end                        # slots below this offset were handed out once
+    cdef size_t pool_span_bytes                 # size of the memfd: offsets available for slots
     cdef uint64_t* free_offsets                 # released slots, reused before pool_end grows
     cdef size_t* free_sizes
     cdef Py_ssize_t num_free

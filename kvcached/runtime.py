@@ -166,6 +166,12 @@ def _shape_kind(kvcache_shape, block_size: int, attention_type: str, kv_layout: 
     return kind, num_blocks, tail, 2
 
 
+def _requested_rows(view, shape_kind: str, num_blocks: int):
+    """The view cut to the num_blocks rows that were asked for: a dense layout's last page may
+    hold ids past them, which the manager never hands out (kvcached.layout: Tensor extents)."""
+    return view[:, :num_blocks] if shape_kind == "flash_attn" else view[:num_blocks]
+
+
 def _create_group(rt: _Runtime, group_id: int, num_layers: int, num_kv_buffers: int, block_bytes: int,
                   num_blocks: int, joint_kv: bool) -> KVGroup:
     settings = config.settings()
@@ -188,8 +194,9 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
     kvcache_shape is one layer's shape: FlashAttention ``(2, N, block_size, heads, head_dim)``,
     FlashInfer ``(N, 2, block_size, heads, head_dim)`` or, with attention_type="MLA",
     ``(N, block_size, dim)``; kv_layout "HND" puts heads before tokens. The tensors are views of
-    virtual memory: a block is backed once a KVCacheManager of this group hands it out. With the
-    page_grouped layout, block ids are sparse and N is the id space (see kvcached.layout).
+    virtual memory: a block is backed once a KVCacheManager of this group hands it out. They have
+    exactly the requested shape, except with the opt-in page_grouped layout, whose block ids are
+    sparse and whose N is the id space (see kvcached.layout).
 
     Raises KVCachedConfigError for a shape, dtype, device or group that does not fit.
     """
@@ -217,7 +224,9 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
             block_bytes *= extent
         group = _create_group(rt, group_id, num_layers, num_kv_buffers, block_bytes, num_blocks,
                               attention_type in JOINT_KV_ATTENTION)
-        group.tensors = group.layout.views([r.tensor() for r in group.ranges], kind, dtype, block_shape, kv_layout)
+        views = group.layout.views([r.tensor() for r in group.ranges], kind, dtype, block_shape, kv_layout)
+        group.tensors = [_requested_rows(view, kind, num_blocks) for view in views] \
+            if group.layout.name != "page_grouped" else views
         return group.tensors
 
 
