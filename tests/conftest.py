@@ -1,56 +1,11 @@
-"""Shared fixtures: small host backends with real mappings (64 KiB granularity), page tables built
-directly from reserved ranges, and page/block allocators over them."""
+"""Shared fixtures over the allocator stacks of tests/_stacks.py."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from kvcached._core import BlockAllocator, HostBackend, PageAllocator, PageTable
-
-GRANULARITY = 64 << 10
-
-
-@dataclasses.dataclass
-class Stack:
-    """One allocator stack over the host backend, for a test."""
-
-    backend: HostBackend
-    ranges: list
-    table: PageTable
-    pages: PageAllocator
-    blocks: BlockAllocator | None
-
-    def close(self) -> None:
-        self.pages.stop()
-
-
-def make_table(backend: HostBackend, num_pages: int, segments: int = 1) -> tuple[PageTable, list]:
-    """A page table whose page id p maps `segments` granules, one in each of `segments` ranges
-    (segments=1: one compound mapping as interleaved/page_grouped; 2*L: per_layer)."""
-    g = backend.granularity
-    ranges = [backend.reserve(num_pages * g) for _ in range(segments)]
-    return PageTable(backend, [(r, 0) for r in ranges], g, num_pages), ranges
-
-
-def make_stack(num_pages: int = 16, capacity_granules: int | None = 12, segments: int = 1,
-               block_bytes: int | None = 16 << 10, min_reserved: int = 0, max_reserved: int = 2,
-               idle_trim_s: float = 0.0, capacity_pages: int | None = None,
-               sparse: tuple[int, int] | None = None) -> Stack:
-    """Backend with room for `capacity_granules` granules (None: unbounded), a table of
-    `num_pages` ids, a page allocator and (unless block_bytes is None and sparse is None) a
-    dense or sparse block allocator."""
-    backend = HostBackend(GRANULARITY, None if capacity_granules is None else capacity_granules * GRANULARITY)
-    table, ranges = make_table(backend, num_pages, segments)
-    pages = PageAllocator(table, capacity_pages, min_reserved=min_reserved, max_reserved=max_reserved,
-                          idle_trim_s=idle_trim_s)
-    blocks = None
-    if sparse is not None:
-        blocks = BlockAllocator.sparse(pages, *sparse)
-    elif block_bytes is not None:
-        blocks = BlockAllocator.dense(pages, block_bytes)
-    return Stack(backend, ranges, table, pages, blocks)
+from _stacks import GRANULARITY, Stack, make_stack
+from kvcached._core import HostBackend
 
 
 @pytest.fixture
@@ -72,21 +27,3 @@ def stack_factory():
 def host_backend() -> HostBackend:
     """A host backend of 64 KiB granules with room for 16 of them (small enough to run out)."""
     return HostBackend(GRANULARITY, 16 * GRANULARITY)
-
-
-def state_of(s: Stack) -> dict:
-    """Everything a failed call must leave unchanged (counters excluded)."""
-    st = s.pages.stats()
-    keep = ("capacity_pages", "free", "in_use", "reserved", "pending_unmap", "transit", "limit_pages",
-            "mapped", "reserved_weight")
-    result = {k: st[k] for k in keep}
-    result["mapped_ids"] = s.table.mapped_page_ids()
-    result["page_states"] = s.pages.page_states().tolist()
-    # handles rolled back go to the backend's cache; memory behind mappings must not change
-    result["mapped_physical_bytes"] = s.backend.physical_bytes - s.backend.cached_bytes
-    if s.blocks is not None:
-        result["block_states"] = s.blocks.block_states().tolist()
-        b = s.blocks.stats()
-        result.update({k: b[k] for k in ("allocated", "held", "owned_pages", "free_in_owned_pages")})
-        result["available_blocks"] = s.blocks.available_blocks()
-    return result

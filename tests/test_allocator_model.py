@@ -12,7 +12,7 @@ import pytest
 
 from kvcached.errors import KVCachedConfigError
 
-from conftest import make_stack
+from _stacks import make_stack
 
 KIB = 1 << 10
 

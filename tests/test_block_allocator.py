@@ -7,7 +7,7 @@ import pytest
 from kvcached._core import BlockAllocator, PageAllocator
 from kvcached.errors import BlockStateError, KVCachedConfigError
 
-from conftest import GRANULARITY, make_table, state_of
+from _stacks import GRANULARITY, make_table, state_of
 
 KIB = 1 << 10
 

@@ -7,7 +7,7 @@ import pytest
 from kvcached._core import PageAllocator
 from kvcached.errors import KVCachedConfigError, MappingError
 
-from conftest import GRANULARITY, make_table, state_of
+from _stacks import GRANULARITY, make_table, state_of
 
 
 def wait_for(cond, timeout=5.0):
