@@ -155,6 +155,8 @@ class KVCacheManager:
         from .budget import Budget
 
         self._budget = Budget.open(name, config.settings().global_budget_bytes)
+        # Cached handles hold device memory the budget no longer counts: no cache under a budget.
+        self._group.page_table.backend.set_handle_cache_capacity(0)
         self._pages.set_budget_gate(self._budget.try_acquire, self._budget.release)
 
     # -- the allocation API (bound to the Cython allocator in __init__) -----------------------
@@ -234,8 +236,15 @@ class KVCacheManager:
             if kind == "new":
                 self._limit_bytes, self._limit_revision = limit_bytes, revision
                 self._pages.set_limit_pages(-1 if limit_bytes == NO_LIMIT else limit_bytes // self.page_bytes)
+                if limit_bytes != NO_LIMIT:
+                    self._release_cached_handles()
             self._limit_status = "applied" if self._limit_met() else "deferred"
             return self._limit_state(self._limit_status)
+
+    def _release_cached_handles(self) -> None:
+        """Give the physical handles the backend keeps for reuse back to the device, so that a
+        lowered limit frees memory for other instances (See Note [Limits])."""
+        self._group.page_table.backend.release_cached()
 
     def _limit_met(self) -> bool:
         if self._limit_bytes == NO_LIMIT:
@@ -250,6 +259,8 @@ class KVCacheManager:
     def memory_limit(self) -> dict:
         """The current limit, its revision and status (applied or deferred)."""
         with self._limit_lock:
+            if self._limit_status == "deferred" and self._limit_met():   # tracker off: no publisher
+                self._limit_status = "applied"
             return self._limit_state(self._limit_status)
 
     # -- introspection -------------------------------------------------------------------------
@@ -292,7 +303,12 @@ class KVCacheManager:
         with self._limit_lock:
             if self._limit_status == "deferred" and self._limit_met():
                 self._limit_status = "applied"
-                self._tracker.set_limit(self._limit_bytes, self._limit_revision, "applied")
+                self._release_cached_handles()
+            # The watcher records its answer after _apply_limit returned, so it may overwrite a
+            # flip to "applied" made in between: the segment is reconciled here. See Note [Limits].
+            state = (self._limit_bytes, self._limit_revision, self._limit_status)
+            if self._tracker.recorded_limit() != state:
+                self._tracker.set_limit(*state)
 
     def close(self) -> None:
         """Stop the background threads, free every block and unmap every page of this manager.
@@ -323,7 +339,12 @@ class KVCacheManager:
 # A limit caps live pages plus the reserved pool. Applying one trims the pool at once; pages that
 # hold live blocks are unmapped as they empty, and no page is mapped meanwhile. The status is
 # "applied" when the mapped memory is already within the limit, else "deferred" until it is (the
-# publisher thread notices within PUBLISH_INTERVAL_S and records "applied" in the segment).
+# publisher thread notices within PUBLISH_INTERVAL_S and records "applied" in the segment). The
+# publisher also rewrites the segment's limit block whenever it differs from the manager's state:
+# the tracker's watcher writes its answer after _apply_limit returns, and a flip to "applied"
+# made in that window would otherwise be overwritten by a stale "deferred" for good.
+# Lowering a limit, and meeting a deferred one, also releases the backend's cached physical
+# handles (Note [Handle cache]): they hold device memory the limit is meant to give back.
 # Revisions order limit changes from several operators: a revision below the current one is
 # "stale", the same revision with another limit a "conflict"; neither changes anything. A higher
 # limit lets the pool grow back to its minimum; a limit of 0 drains an idle manager completely.

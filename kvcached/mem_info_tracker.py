@@ -796,6 +796,14 @@ class MemInfoTracker:
             self._write_limit_block(limit_bytes=limit_bytes, limit_revision=revision,
                                     limit_status=code)
 
+    def recorded_limit(self) -> tuple[int, int, str]:
+        """(limit_bytes, revision, status) as the segment records them now. O(1), no system
+        call; after ``close``, zeros (the segment is gone)."""
+        with self._limit_lock:
+            words = self._words
+            return (words[_W["limit_bytes"]], words[_W["limit_revision"]],
+                    _status_name(words[_W["limit_status"]]))
+
     def set_capacity(self, capacity_bytes: int) -> None:
         """Record the most bytes the instance could ever map (after its tensors were sized)."""
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:

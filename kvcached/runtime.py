@@ -275,6 +275,40 @@ def managers() -> list:
         return [m for g in _runtime.groups.values() for m in g.managers]
 
 
+def set_instance_memory_limit(limit_bytes: int, *, revision: int) -> dict:
+    """Cap the KV memory of this whole process (every manager) at `limit_bytes`; -1 removes it.
+
+    The limit is divided across the managers in proportion to their capacities, in whole pages
+    (``mem_info_tracker.split_limit``), and each share is applied with ``set_memory_limit`` at the
+    same `revision`. A revision that is stale or conflicting for any manager changes none of them.
+    Returns ``{"status", "limit_bytes", "revision", "managers": [each manager's result]}``: status
+    "applied", "deferred" (some share is below that manager's live pages, see Note [Limits] in
+    kv_cache_manager), "stale" or "conflict". O(managers).
+
+    Raises ValueError for a limit below -1 or a negative revision (nothing changed).
+    """
+    from .mem_info_tracker import NO_LIMIT, classify_limit_request, split_limit
+
+    if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < NO_LIMIT:
+        raise ValueError(f"limit_bytes={limit_bytes!r} must be an int >= 0, or -1 for no limit")
+    if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
+        raise ValueError(f"revision={revision!r} must be an int >= 0")
+    with _lock:
+        pools = managers()
+        page_sizes = {m.page_bytes for m in pools}
+        shares = split_limit(limit_bytes, [m.num_pages * m.page_bytes for m in pools],
+                             page_sizes.pop() if len(page_sizes) == 1 else 0)
+        for verdict in ("stale", "conflict"):
+            for m, share in zip(pools, shares):
+                current = m.memory_limit()
+                if classify_limit_request(current["limit_bytes"], current["revision"], share, revision) == verdict:
+                    return {"status": verdict, "limit_bytes": limit_bytes, "revision": revision,
+                            "managers": [m.memory_limit() for m in pools]}
+        results = [m.set_memory_limit(share, revision=revision) for m, share in zip(pools, shares)]
+        status = "deferred" if any(r["status"] == "deferred" for r in results) else "applied"
+        return {"status": status, "limit_bytes": limit_bytes, "revision": revision, "managers": results}
+
+
 def shutdown_kvcached() -> None:
     """Stop every manager, unmap and release every page and handle, forget the groups.
 

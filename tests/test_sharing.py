@@ -1,0 +1,436 @@
+"""Sharing one device: real processes running real KVCacheManagers (host backend, real mappings),
+under one global budget and under limits an operator changes with kvctl. No mocks.
+
+Every wait polls shared memory until the expected state shows, with a generous timeout that only
+turns a hang into a failure; nothing here asserts how fast anything happens (that is
+benchmarks/bench_sharing.py's job).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+
+import pytest
+
+from _procs import ENV, kvctl, unique_name
+from kvcached import budget as kb
+from kvcached.budget import delete_budget, read_budget
+from kvcached.errors import KVCachedError
+from kvcached.mem_info_tracker import list_segments, read_segment
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "_sharing_procs.py")
+WAIT_S = 30.0           # a hang guard, never a performance bound
+MiB = 1 << 20
+
+
+class Manager:
+    """A process running one KVCacheManager (tests/_sharing_procs.py), past its ready line."""
+
+    def __init__(self, name: str, *args: str, env: dict | None = None) -> None:
+        self.name = name
+        environ = {**ENV, "KVCACHED_IPC_NAME": name, "KVCACHED_MIN_RESERVED_PAGES": "2",
+                   "KVCACHED_MAX_RESERVED_PAGES": "4", "KVCACHED_IDLE_TRIM_S": "0",
+                   **(env or {})}
+        self.popen = subprocess.Popen([sys.executable, SCRIPT, "manager", *args], env=environ,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+        self.info: dict = {}
+
+    def wait_ready(self) -> Manager:
+        self.info = self.read()
+        assert self.info.get("ready"), self.info
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def send(self, command: str) -> None:
+        self.popen.stdin.write(command + "\n")
+        self.popen.stdin.flush()
+
+    def read(self, timeout_s: float = WAIT_S) -> dict:
+        ready, _, _ = select.select([self.popen.stdout], [], [], timeout_s)
+        line = self.popen.stdout.readline() if ready else ""
+        if not line:
+            self.popen.kill()
+            _, err = self.popen.communicate()
+            raise AssertionError(f"manager {self.name} (pid {self.pid}) gave no answer:\n{err}")
+        return json.loads(line)
+
+    def ask(self, command: str, timeout_s: float = WAIT_S) -> dict:
+        self.send(command)
+        return self.read(timeout_s)
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait(WAIT_S)
+
+    def end(self) -> None:
+        """Close stdin (the process shuts kvcached down and exits); kill it if it hangs."""
+        if self.popen.poll() is None:
+            try:
+                self.popen.communicate(input="", timeout=WAIT_S)
+            except (subprocess.TimeoutExpired, ValueError, OSError):
+                self.popen.kill()
+                self.popen.wait()
+        else:
+            self.popen.communicate()
+
+
+@pytest.fixture
+def managers():
+    """start(name, *args, env=...) -> Manager; every process is ended at teardown."""
+    started: list[Manager] = []
+
+    def start(name: str, *args: str, env: dict | None = None, wait: bool = True) -> Manager:
+        m = Manager(name, *args, env=env)
+        started.append(m)
+        return m.wait_ready() if wait else m
+
+    yield start
+    for m in started:
+        m.end()
+    for m in started:  # a killed process leaves its segment: remove it
+        try:
+            if not read_segment(m.name).alive:
+                kvctl("gc")
+        except KVCachedError:
+            pass
+
+
+@pytest.fixture
+def budget_name():
+    name = unique_name("share")
+    yield name
+    try:
+        delete_budget(name, force=True)
+    except KVCachedError:
+        pass
+
+
+def poll(what: str, check, timeout_s: float = WAIT_S):
+    """check() until it returns a true value; that value. Fails after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def consistent_sample(budget_name: str, names: list[str]) -> tuple[kb.BudgetSnapshot, dict]:
+    """The budget and the instances' published usage, taken so that they can be compared.
+
+    Holding the budget's shared lock stops every acquisition and release (both take it
+    exclusively), so each holder's share is frozen; a page is mapped only after its share was
+    acquired and released only after it was unmapped, so an instance's mapped memory stays
+    within its frozen share. The published figures lag by one publish period, so the sample
+    waits until every instance has completed a publish that started after the lock was taken."""
+    fd = os.open(kb.budget_path(budget_name), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            snap = read_budget(budget_name)
+            start = {n: read_segment(n).usage_seq for n in names}
+            fresh = poll("fresh publishes", lambda: all(
+                s.usage_seq >= start[s.name] + 3 + (start[s.name] & 1)
+                for s in (read_segment(n) for n in names)) and {n: read_segment(n) for n in names})
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+    return snap, fresh
+
+
+def held_by_pid(snap: kb.BudgetSnapshot) -> dict[int, int]:
+    return {h.pid: h.held_bytes for h in snap.holders}
+
+
+def test_eight_managers_never_map_more_than_the_budget(managers, budget_name):
+    """8 processes allocate and free for ~3 s under a budget of 3/8 of what they could map;
+    a sampler checks every instance's mapped memory against its share and the sum against the
+    budget. At the end the budget held equals what is mapped, and 0 after close."""
+    workers, seconds = 8, 3.0
+    env = {"KVCACHED_GLOBAL_BUDGET": budget_name}
+    first = managers(unique_name("bud0"), "--blocks", "1024",
+                     env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1"})
+    page_bytes, num_pages = first.info["page_bytes"], first.info["num_pages"]
+    budget_bytes = workers * num_pages * page_bytes * 3 // 8
+    assert kvctl("budget", budget_name, str(budget_bytes)).returncode == 0
+    procs = [first] + [managers(unique_name(f"bud{i}"), "--blocks", "1024", env=env, wait=False)
+                       for i in range(1, workers)]
+    for p in procs[1:]:
+        p.wait_ready()
+    names = [p.name for p in procs]
+    for i, p in enumerate(procs):
+        p.send(f"churn {seconds} {i}")
+    samples = 0
+    while any(not select.select([p.popen.stdout], [], [], 0)[0] for p in procs):
+        snap, segs = consistent_sample(budget_name, names)
+        shares = held_by_pid(snap)
+        assert snap.held_bytes == sum(shares.values()) <= snap.budget_bytes == budget_bytes, snap
+        for seg in segs.values():
+            assert seg.mapped_bytes <= shares.get(seg.pid, 0), (seg, snap)
+        assert sum(s.mapped_bytes for s in segs.values()) <= budget_bytes
+        samples += 1
+        time.sleep(0.02)
+    results = [p.read() for p in procs]
+    assert samples >= 5
+    assert all(r["allocs"] > 0 and r["checks"] > 0 for r in results), results
+    assert sum(r["refused"] for r in results) > 0, results  # the budget was binding
+
+    # Quiet now (blocks still held, pools refilled as far as the budget allows): every byte the
+    # budget counts is mapped by its holder.
+    def settled():
+        snap, segs = consistent_sample(budget_name, names)
+        shares = held_by_pid(snap)
+        return all(shares.get(s.pid) == s.mapped_bytes for s in segs.values()) and snap
+
+    snap = poll("budget held == mapped", settled)
+    assert snap.held_bytes == sum(read_segment(n).mapped_bytes for n in names) > 0
+    for p in procs:
+        assert p.ask("close") == {"closed": True}
+    snap = read_budget(budget_name)
+    assert (snap.held_bytes, snap.holders) == (0, ())
+
+
+def test_sigkilled_manager_is_found_dead_and_its_share_recovered(managers, budget_name):
+    """A manager holding most of the budget is SIGKILLed while the others churn: kvctl shows it
+    dead, kvctl gc removes its segment and recovers its share, and the others go on and can
+    then map what it held."""
+    env = {"KVCACHED_GLOBAL_BUDGET": budget_name}
+    hog = managers(unique_name("hog"), "--blocks", "1024", env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1"})
+    page_bytes, bpp = hog.info["page_bytes"], hog.info["blocks_per_page"]
+    assert kvctl("budget", budget_name, str(16 * page_bytes)).returncode == 0
+    others = [managers(unique_name(f"oth{i}"), "--blocks", "1024", env=env) for i in range(2)]
+    assert hog.ask(f"alloc {10 * bpp}")["ok"]
+    for i, p in enumerate(others):
+        p.send(f"churn 2.0 {i}")
+    time.sleep(0.5)
+    hog_share = held_by_pid(read_budget(budget_name))[hog.pid]
+    assert hog_share >= 10 * page_bytes
+    hog.kill()
+
+    records = {r["name"]: r for r in json.loads(kvctl("list", "--json").stdout)}
+    assert (records[hog.name]["state"], records[hog.name]["stale"]) == ("dead", True)
+    assert all(records[p.name]["state"] == "alive" for p in others)
+    gc = kvctl("gc")
+    assert gc.returncode == 0, gc.stderr
+    assert f"removed segment {hog.name} " in gc.stdout
+    with pytest.raises(KVCachedError):
+        read_segment(hog.name)
+    snap = read_budget(budget_name)
+    assert hog.pid not in held_by_pid(snap) and snap.recovered_bytes >= hog_share
+
+    results = [p.read() for p in others]  # the survivors kept going
+    assert all(r["allocs"] > 0 for r in results), results
+    for p in others:
+        p.ask("free_all")
+    # With the hog's share back, one survivor can now map more than the budget had left for
+    # the two of them while the hog held 10 pages.
+    assert poll("the survivor maps the recovered share", lambda: others[0].ask(f"alloc {12 * bpp}")["ok"])
+    assert others[0].ask("state")["mapped_bytes"] >= 12 * page_bytes
+
+
+def seg_state(name: str) -> tuple:
+    s = read_segment(name)
+    return s.limit_bytes, s.limit_status, s.mapped_bytes
+
+
+def test_kvctl_limits_reach_a_running_manager(managers):
+    """Shrink (pool first, then deferred until live pages empty), regrow (the pool grows back),
+    restore the original, 0 (deferred while blocks live; applied and nothing mapped once they
+    are freed), each seen by a running manager through `kvctl limit` in a subprocess."""
+    name = unique_name("lim")
+    m = managers(name, "--blocks", "1024")
+    page, bpp, capacity = m.info["page_bytes"], m.info["blocks_per_page"], m.info["num_pages"] * m.info["page_bytes"]
+    original = 12 * page
+    assert m.ask(f"limit {original} 1")["status"] == "applied"
+    assert m.ask(f"alloc {4 * bpp}")["ok"]                  # 4 pages of live blocks
+    poll("pool refilled", lambda: seg_state(name) == (original, "applied", 6 * page))
+
+    def limit(size: str) -> str:
+        result = kvctl("limit", name, size, "--timeout", str(WAIT_S))
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    # Shrink below live + pool: the pool goes first, the limit is met at once.
+    assert limit(str(5 * page)).startswith(f"{name}: applied ")
+    poll("shrunk to 5 pages", lambda: seg_state(name)[:2] == (5 * page, "applied")
+         and seg_state(name)[2] <= 5 * page)
+    # Shrink below the live pages: deferred, and no page is mapped meanwhile.
+    assert limit(str(2 * page)).startswith(f"{name}: deferred ")
+    poll("pool emptied", lambda: seg_state(name) == (2 * page, "deferred", 4 * page))
+    assert not m.ask(f"alloc {4 * bpp + 1}")["ok"]
+    m.ask("free_all")                                       # pages empty: released to the limit
+    poll("deferred limit met", lambda: seg_state(name)[:2] == (2 * page, "applied")
+         and seg_state(name)[2] <= 2 * page)
+    state = m.ask("state")
+    assert state["limit"]["status"] == "applied" and state["mapped_bytes"] <= 2 * page
+    # Regrow: the pool grows back to its minimum (2 pages).
+    assert m.ask(f"alloc {2 * bpp}")["ok"]
+    assert limit("75%").startswith(f"{name}: applied ")
+    poll("pool grown back", lambda: seg_state(name) == (capacity * 3 // 4, "applied", 4 * page))
+    # Restore the original limit.
+    assert limit(str(original)).startswith(f"{name}: applied ")
+    poll("original limit", lambda: seg_state(name) == (original, "applied", 4 * page))
+    assert m.ask(f"alloc {10 * bpp}")["ok"] and not m.ask(f"alloc {bpp}")["ok"]  # 12 pages
+    # 0 with live blocks: deferred; freeing them drains everything.
+    assert limit("0").startswith(f"{name}: deferred ")
+    poll("limit 0 deferred", lambda: seg_state(name) == (0, "deferred", 12 * page))
+    m.ask("free_all")
+    poll("limit 0 applied", lambda: seg_state(name) == (0, "applied", 0))
+    assert not m.ask("alloc 1")["ok"]
+    # 0 on an idle pool: applied at once, nothing mapped.
+    assert limit(str(original)).startswith(f"{name}: applied ")
+    poll("pool back", lambda: seg_state(name) == (original, "applied", 2 * page))
+    assert limit("0").startswith(f"{name}: applied ")
+    poll("idle pool drained", lambda: seg_state(name) == (0, "applied", 0))
+    assert read_segment(name).limit_revision == 8  # 1 (the manager's own) + 7 requests
+    # Revisions: stale and conflicting requests change nothing.
+    stale = kvctl("limit", name, "1M", "--revision", "3", "--timeout", str(WAIT_S))
+    assert stale.returncode == 3 and "stale" in stale.stderr
+    assert m.ask(f"limit {page} 8")["status"] == "conflict"
+    assert m.ask(f"limit {page} 9")["status"] == "applied"
+    assert seg_state(name)[:2] == (page, "applied")
+
+
+def test_instance_limit_is_split_across_pools_by_capacity():
+    """runtime.set_instance_memory_limit divides one limit across the instance's managers in
+    proportion to their capacities; stale and conflicting revisions change none of them."""
+    from kvcached import KVCacheManager, init_kvcached, shutdown_kvcached
+    from kvcached.runtime import set_instance_memory_limit
+
+    init_kvcached(device="cpu", page_size_bytes=64 << 10)
+    try:
+        big = KVCacheManager(3072, 16, 64, 2, pool_name="big")       # 48 pages
+        small = KVCacheManager(1024, 16, 64, 2, group_id=1, pool_name="small")  # 16 pages
+        page = big.page_bytes
+        result = set_instance_memory_limit(16 * page, revision=1)
+        assert result["status"] == "applied"
+        assert [big.memory_limit()["limit_bytes"], small.memory_limit()["limit_bytes"]] == [12 * page, 4 * page]
+        if big.ipc_name is not None:
+            assert read_segment(big.ipc_name).limit_bytes == 12 * page
+        assert set_instance_memory_limit(8 * page, revision=0)["status"] == "stale"
+        assert set_instance_memory_limit(8 * page, revision=1)["status"] == "conflict"
+        assert small.memory_limit()["limit_bytes"] == 4 * page
+        ids = small.alloc(small.available_size())
+        assert len(ids) == 4 * 64
+        assert set_instance_memory_limit(0, revision=2)["status"] == "deferred"
+        small.free(ids)
+        assert set_instance_memory_limit(-1, revision=3)["status"] == "applied"
+        assert big.memory_limit()["limit_bytes"] == small.memory_limit()["limit_bytes"] == -1
+    finally:
+        shutdown_kvcached()
+
+
+def test_a_budgeted_manager_holds_no_physical_memory_the_budget_does_not_count(monkeypatch, budget_name):
+    """Released handles would sit in the backend's cache, holding device memory the budget has
+    already been given back: under a budget the cache is off."""
+    from kvcached import KVCacheManager, config, init_kvcached, shutdown_kvcached
+
+    monkeypatch.setenv("KVCACHED_GLOBAL_BUDGET", budget_name)
+    monkeypatch.setenv("KVCACHED_GLOBAL_BUDGET_BYTES", "16M")
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    config.reload_settings()
+    init_kvcached(device="cpu", page_size_bytes=64 << 10)
+    try:
+        m = KVCacheManager(1024, 16, 64, 2)
+        backend = m._group.page_table.backend
+        for _ in range(3):
+            ids = m.alloc(1024)
+            assert backend.physical_bytes == read_budget(budget_name).held_bytes > 0
+            m.free(ids)
+            assert backend.physical_bytes == read_budget(budget_name).held_bytes == 0
+    finally:
+        shutdown_kvcached()
+        monkeypatch.undo()
+        config.reload_settings()
+
+
+def test_segment_shows_applied_when_the_limit_is_met_while_the_watcher_answers():
+    """The watcher writes its answer ("deferred") after the manager's apply returned; if the
+    blocks are freed in between, the publisher's flip to "applied" must not be lost."""
+    from kvcached import KVCacheManager, init_kvcached, shutdown_kvcached
+    from kvcached.mem_info_tracker import request_limit, wait_for_ack
+
+    init_kvcached(device="cpu", page_size_bytes=64 << 10)
+    try:
+        m = KVCacheManager(1024, 16, 64, 2)
+        if m.ipc_name is None:
+            pytest.skip("KVCACHED_TRACKER=0")
+        ids = m.alloc(256)
+        apply = m._apply_limit
+        freed = []
+
+        def apply_then_free(limit_bytes: int, revision: int) -> dict:
+            result = apply(limit_bytes, revision)
+            assert result["status"] == "deferred"
+            m.free(ids)                       # the engine frees its blocks meanwhile
+            poll("the publisher's flip", lambda: m.memory_limit()["status"] == "applied")
+            freed.append(True)
+            return result                     # the watcher now records this stale "deferred"
+
+        m._tracker.start_watcher(apply_then_free)
+        ack = wait_for_ack(request_limit(m.ipc_name, 0), timeout_s=WAIT_S)
+        assert ack is not None and freed
+        poll("segment applied", lambda: read_segment(m.ipc_name).limit_status == "applied")
+        assert read_segment(m.ipc_name).mapped_bytes == 0
+    finally:
+        shutdown_kvcached()
+
+
+def _read_until(fd: int, needles: list[bytes], timeout_s: float) -> bytes:
+    screen, deadline = b"", time.monotonic() + timeout_s
+    while not all(n in screen for n in needles) and time.monotonic() < deadline:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            try:
+                screen += os.read(fd, 65536)
+            except OSError:
+                break
+    return screen
+
+
+def test_kvtop_in_a_terminal_shows_a_live_manager(managers):
+    name = unique_name("top")
+    m = managers(name, "--blocks", "1024")
+    assert m.ask(f"alloc {3 * m.info['blocks_per_page']}")["ok"]
+    used = f"used {3 * m.info['page_bytes'] // 1024}.00 KiB".encode()
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execve(sys.executable, [sys.executable, "-m", "kvcached.cli.kvtop", "--interval", "0.1"],
+                  {**ENV, "TERM": "xterm"})
+    status = None
+    try:
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 200, 0, 0))
+        screen = _read_until(fd, [name.encode(), used], WAIT_S)
+        assert name.encode() in screen and used in screen, screen[-2000:]
+        os.write(fd, b"q")
+        deadline = time.monotonic() + WAIT_S
+        while status is None and time.monotonic() < deadline:
+            _read_until(fd, [b"\0never"], 0.1)
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            status = os.waitstatus_to_exitcode(raw) if done else None
+    finally:
+        if status is None:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
+    assert status == 0
+    assert name in {s.name for s in list_segments()}
