@@ -2,6 +2,7 @@
 # stated (`except -1` raises; out of memory is the value _OOM = 1; `noexcept` is bookkeeping only).
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from cpython.ref cimport PyObject
 from cuda.bindings cimport cydriver
 
 cdef extern from "<pthread.h>" nogil:
@@ -100,6 +101,7 @@ cdef class PageTable:
     cdef void _map_rollback(self, const int32_t* page_ids, int pages_done, int segments_done, int stage) noexcept nogil
     cdef int _unmap_segment(self, int32_t page_id, int segment) except -1 nogil
     cdef void _remap_zero(self, uintptr_t address) noexcept nogil
+    cdef int _small_ids(self, page_ids, bint want_mapped, int32_t* out) except -2
     cdef object _checked_ids(self, page_ids, bint want_mapped)
 
 
@@ -120,6 +122,8 @@ cdef extern from "<pthread.h>" nogil:
     int pthread_cond_init(pthread_cond_t*, pthread_condattr_t*)
     int pthread_cond_destroy(pthread_cond_t*)
     int pthread_cond_signal(pthread_cond_t*)
+    int pthread_cond_broadcast(pthread_cond_t*)
+    int pthread_cond_wait(pthread_cond_t*, pthread_mutex_t*)
     int pthread_cond_timedwait(pthread_cond_t*, pthread_mutex_t*, const void*)
 
 cdef extern from "<time.h>" nogil:
@@ -157,10 +161,15 @@ cdef class PageAllocator:
     cdef pthread_mutex_t lock                   # state lock: everything below; never held across a driver or Python call
     cdef pthread_mutex_t map_lock               # serialises page-table calls (map/unmap); waited on only without the GIL
     cdef pthread_cond_t wake                    # the background thread sleeps on it (with `lock`)
+    cdef pthread_cond_t pool_cv                 # broadcast when a refill round pools a page or ends (with `lock`)
     cdef readonly int num_table_pages           # the table's num_pages: capacity never exceeds it
     cdef readonly int capacity_pages            # page ids [0, capacity_pages) may be handed out
     cdef readonly int min_reserved              # background thread keeps the pool at least this big
     cdef readonly int max_reserved              # returned pages beyond this many pooled ones are unmapped
+    cdef readonly int refill_target             # pool size a refill round aims at, in [min_reserved, max_reserved]
+    cdef bint bg_refilling                      # a refill round runs: short callers wait for it (Note [Proactive refill])
+    cdef uint64_t pages_taken                   # pages handed out by take_pages / take_blocks, ever
+    cdef uint64_t num_pool_waits                # takes that waited for a refill round's pages
     cdef readonly double idle_trim_s            # trim the pool after this long without take/return; 0 off
     cdef readonly int limit_pages               # in-use + pool never exceed it; -1 = no limit
     cdef public uintptr_t stream                # CUstream the fences of returned pages are recorded on
@@ -224,6 +233,9 @@ cdef class PageAllocator:
     cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil
     cdef int _pool_out(self, int keep, int below) except -1 nogil
     cdef int _refill(self) except -1 nogil
+    cdef int _refill_chunk(self, int chunk) except -1 nogil
+    cdef bint _refill_covers(self, int64_t need, bint by_weight) noexcept nogil
+    cdef int _wait_for_refill(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil
     cdef int _refresh_physical(self) except -1 nogil
     cdef int _gate_acquire(self, int n) except -1 nogil
     cdef int _gate_release(self, int n) except -1 nogil
@@ -259,6 +271,9 @@ cdef class BlockAllocator:
     cdef int64_t num_held
     cdef int num_owned                          # owned pages
     cdef int32_t* page_buf                      # page ids to/from the page allocator; used under `lock`
+    cdef PyObject** id_objs                     # [block] the int object alloc hands out for it, or NULL (GIL)
+    cdef int32_t id_objs_len                    # ids below this use id_objs; Note [Block id objects]
+    cdef uint8_t* page_adopted                  # [page] 1: ever taken, so its ids may sit in id_objs
     cdef public bint debug_checks               # check_invariants() after every public call
     cdef uint64_t num_allocs, num_frees, num_failed_allocs
 

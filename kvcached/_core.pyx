@@ -22,7 +22,7 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc, realloc
 from libc.string cimport memcpy, memset
 from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
-from cpython.ref cimport Py_DECREF, Py_INCREF, PyObject
+from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF, PyObject
 
 from cuda.bindings cimport cydriver
 

@@ -34,6 +34,7 @@ cdef class PageAllocator:
         pthread_condattr_init(&attr)
         pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
         pthread_cond_init(&self.wake, &attr)
+        pthread_cond_init(&self.pool_cv, &attr)
         pthread_condattr_destroy(&attr)
         self.limit_pages = -1
 
@@ -65,6 +66,7 @@ cdef class PageAllocator:
         self.capacity_pages = capacity
         self.min_reserved = min_reserved
         self.max_reserved = max_reserved
+        self.refill_target = min_reserved
         self.idle_trim_s = idle_trim_s
         self.page_bytes = page_table.num_segments * page_table.map_bytes
         self.state = <uint8_t*>calloc(P, sizeof(uint8_t))
@@ -118,6 +120,7 @@ cdef class PageAllocator:
         free(self.batch_count)
         free(self.scratch)
         pthread_cond_destroy(&self.wake)
+        pthread_cond_destroy(&self.pool_cv)
         pthread_mutex_destroy(&self.map_lock)
         pthread_mutex_destroy(&self.lock)
 
@@ -208,11 +211,43 @@ cdef class PageAllocator:
         self.num_used += k
         n_out[0] = k
         self.num_pool_hits += 1
+        self.pages_taken += k
         self.activity += 1
         self.idle_trimmed = False
-        if self.bg_running and self.num_pool < self.min_reserved:
+        if self.bg_running and self.num_pool < self.refill_target:
             pthread_cond_signal(&self.wake)
         return 0
+
+    cdef bint _refill_covers(self, int64_t need, bint by_weight) noexcept nogil:
+        # would the pool, once the running refill round reaches its target, hold `need`? (under
+        # lock; pages in transit are not counted, so it errs towards "no")
+        cdef int k = min(self.refill_target - self.num_pool, self.num_free)
+        if k <= 0:
+            return False
+        if by_weight:
+            return self.pool_weight + self._fw_weight_of_lowest(k) >= need
+        return self.num_pool + k >= need
+
+    cdef int _wait_for_refill(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil:
+        """The pool is short: while the background thread is refilling it and its round will
+        cover `need`, wait for its pages instead of mapping (Note [Proactive refill]). Returns 0
+        with the pages taken from the pool, or _NEED_SLOW (nothing taken: map them yourself).
+        Call without the GIL and without map_lock. Takes lock."""
+        cdef int rc = _NEED_SLOW
+        cdef bint waited = False
+        pthread_mutex_lock(&self.lock)
+        while self.bg_refilling and not self.bg_stopping:
+            if self._take_pool_locked(need, by_weight, out, n_out) == 0:
+                rc = 0
+                break
+            if not self._refill_covers(need, by_weight):
+                break
+            waited = True
+            pthread_cond_wait(&self.pool_cv, &self.lock)
+        if waited:
+            self.num_pool_waits += 1
+        pthread_mutex_unlock(&self.lock)
+        return rc
 
     cdef int take_pool(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil:
         """Pages holding `need` weight (blocks when by_weight, else pages) from the pool only.
@@ -250,6 +285,8 @@ cdef class PageAllocator:
         if need <= 0:
             return 0
         if self.take_pool(need, by_weight, out, n_out) == 0:
+            return 0
+        if self._wait_for_refill(need, by_weight, out, n_out) == 0:
             return 0
         pthread_mutex_lock(&self.map_lock)
         try:
@@ -305,6 +342,7 @@ cdef class PageAllocator:
                         self.state[out[np + i]] = _PS_USED
                     self.num_used += k
                     self.num_maps += k
+                    self.pages_taken += np + k
                 else:
                     for i in range(k):
                         self._release_page(out[np + i])
@@ -474,8 +512,41 @@ cdef class PageAllocator:
 
     # -- the background thread's work ----------------------------------------------------------
     cdef int _refill(self) except -1 nogil:
-        """Map free ids into the pool up to min_reserved, the driver call outside `lock`.
-        Takes map_lock. See Note [Background thread]."""
+        """One refill round: map free ids into the pool, one page per map_lock hold, up to
+        refill_target; then set the next round's target from the demand seen during this one.
+        Callers short of pages wait for it (bg_refilling). See Note [Proactive refill]."""
+        cdef uint64_t taken0, short0
+        cdef int got
+        pthread_mutex_lock(&self.lock)
+        if self.bg_stopping or self.idle_trimmed:
+            pthread_mutex_unlock(&self.lock)
+            return 0
+        taken0 = self.pages_taken
+        short0 = self.num_slow_path + self.num_pool_waits
+        self.bg_refilling = True
+        pthread_mutex_unlock(&self.lock)
+        try:
+            got = 1
+            while got > 0:
+                got = self._refill_chunk(1)
+        finally:
+            pthread_mutex_lock(&self.lock)
+            self.bg_refilling = False
+            if self.num_slow_path + self.num_pool_waits > short0:
+                # the pool ran short while we refilled: keep what was taken meanwhile in stock too
+                self.refill_target = <int>min(<uint64_t>self.max_reserved,
+                                              max(<uint64_t>self.refill_target,
+                                                  <uint64_t>self.min_reserved + self.pages_taken - taken0))
+            elif self.pages_taken == taken0:
+                self.refill_target = self.min_reserved       # demand stopped: back to the minimum
+            pthread_cond_broadcast(&self.pool_cv)
+            pthread_mutex_unlock(&self.lock)
+        return 0
+
+    cdef int _refill_chunk(self, int chunk) except -1 nogil:
+        """Map up to `chunk` free ids into the pool (towards refill_target), the driver call
+        outside `lock`; returns how many went into the pool (0: nothing to do, or out of memory,
+        which sets bg_backoff). Takes map_lock. See Note [Background thread]."""
         cdef int k, i, fits = 0, rc = 0
         cdef bint finished = False, gated = False
         cdef int32_t p
@@ -484,7 +555,7 @@ cdef class PageAllocator:
             pthread_mutex_lock(&self.lock)
             k = 0
             if not (self.bg_stopping or self.idle_trimmed):
-                k = min(self.min_reserved - self.num_pool, self.num_free)
+                k = min(self.refill_target - self.num_pool, self.num_free, chunk)
                 if self.limit_pages >= 0:
                     k = min(k, self.limit_pages - self.num_used - self.num_pool - self.num_transit)
             if k <= 0:
@@ -521,6 +592,8 @@ cdef class PageAllocator:
                     self.num_transit -= fits
                     self.num_maps += k
                     self.num_refills += 1
+                    if fits:
+                        pthread_cond_broadcast(&self.pool_cv)
                 else:
                     for i in range(k):
                         self._release_page(self.scratch[i])
@@ -529,9 +602,10 @@ cdef class PageAllocator:
                 pthread_mutex_unlock(&self.lock)
             if rc != 0:
                 self._refresh_physical()
+                return 0
             elif fits < k:
                 self._unmap_ids(k - fits, self.scratch + fits)
-            return 0
+            return fits
         finally:
             pthread_mutex_unlock(&self.map_lock)
 
@@ -571,7 +645,7 @@ cdef class PageAllocator:
         cdef uint64_t act
         pthread_mutex_lock(&self.lock)
         if not self.bg_stopping:
-            want = (not self.idle_trimmed and self.num_pool < self.min_reserved and self.num_free > 0
+            want = (not self.idle_trimmed and self.num_pool < self.refill_target and self.num_free > 0
                     and (self.limit_pages < 0
                          or self.num_used + self.num_pool + self.num_transit < self.limit_pages))
             if self.bg_backoff or not (want or self.num_batches > 0):
@@ -605,6 +679,7 @@ cdef class PageAllocator:
                 self._pool_out(0, self.num_table_pages)
                 self.backend.release_cached_handles()
                 pthread_mutex_lock(&self.lock)
+                self.refill_target = self.min_reserved
                 if self.activity == act:
                     self.idle_trimmed = True
                 self.num_idle_trims += 1
@@ -664,14 +739,13 @@ cdef class PageAllocator:
     cdef int64_t available_weight(self, bint by_weight) noexcept nogil:
         """What take_blocks (by_weight) or take_pages could deliver now: the whole pool plus the
         lowest free ids that the limit and the free physical memory figure allow. Counters only,
-        no driver call. Takes lock (and the backend's lock, to read its counters)."""
+        no driver call. Takes lock; reads the backend's two byte counters without its lock (each
+        an aligned word, and the answer is only promised while nothing changes)."""
         cdef int64_t free_phys, k
         cdef size_t physical, cached
         pthread_mutex_lock(&self.lock)
-        pthread_mutex_lock(&self.backend._lock)
         physical = self.backend.physical_bytes
         cached = self.backend.cached_bytes
-        pthread_mutex_unlock(&self.backend._lock)
         free_phys = <int64_t>self.phys_snapshot - (<int64_t>physical - <int64_t>self.phys_base) + <int64_t>cached
         k = self.num_free
         if self.limit_pages >= 0:
@@ -770,6 +844,7 @@ cdef class PageAllocator:
                 pthread_mutex_lock(&self.lock)
                 self.min_reserved = min_reserved
                 self.max_reserved = max_reserved
+                self.refill_target = min_reserved
                 if self.bg_running:
                     pthread_cond_signal(&self.wake)
                 pthread_mutex_unlock(&self.lock)
@@ -888,6 +963,7 @@ cdef class PageAllocator:
             pthread_mutex_lock(&self.lock)
             self.bg_stopping = True
             pthread_cond_signal(&self.wake)
+            pthread_cond_broadcast(&self.pool_cv)
             pthread_mutex_unlock(&self.lock)
         thread.join()
         self.thread = None
@@ -905,8 +981,8 @@ cdef class PageAllocator:
 
     def stats(self) -> dict:
         """A consistent snapshot of the counts and counters (taken under one lock)."""
-        cdef int v[8]
-        cdef uint64_t c[10]
+        cdef int v[9]
+        cdef uint64_t c[12]
         cdef size_t phys
         with nogil:
             pthread_mutex_lock(&self.lock)
@@ -915,6 +991,7 @@ cdef class PageAllocator:
             c[0] = self.num_maps; c[1] = self.num_unmaps; c[2] = self.num_pool_hits; c[3] = self.num_slow_path
             c[4] = self.num_oom; c[5] = self.num_fences; c[6] = self.num_idle_trims; c[7] = self.num_refills
             c[8] = self.activity; c[9] = <uint64_t>self.pool_weight
+            c[10] = self.num_pool_waits; c[11] = self.pages_taken; v[8] = self.refill_target
             phys = self.phys_snapshot
             pthread_mutex_unlock(&self.lock)
         return {
@@ -924,7 +1001,8 @@ cdef class PageAllocator:
             "min_reserved": self.min_reserved, "max_reserved": self.max_reserved,
             "num_maps": c[0], "num_unmaps": c[1], "num_pool_hits": c[2], "num_slow_path": c[3],
             "num_oom": c[4], "num_fences": c[5], "num_idle_trims": c[6], "num_refills": c[7],
-            "num_take_return": c[8],
+            "num_take_return": c[8], "num_pool_waits": c[10], "pages_taken": c[11],
+            "refill_target": v[8],
         }
 
     def page_states(self):
@@ -1045,3 +1123,22 @@ cdef class PageAllocator:
 # with only map_lock held, and pooled under `lock` again, keeping only what the limit still
 # allows. It refreshes the free-physical-memory figure at most every 5 ms, so available_pages()
 # never calls the driver. After a failed refill it sleeps one full period before trying again.
+#
+# Note [Proactive refill]
+# A caller that finds the pool short pays for a mapping (30 us on the H200 for one compound page,
+# 64x that per_layer), so the background thread works to keep that rare:
+#  - It refills towards `refill_target`, not just min_reserved: a round that saw callers go short
+#    (a slow take or a wait) raises the target by the pages taken during the round, up to
+#    max_reserved, so under sustained growth the stock covers what is consumed while one round
+#    maps; a round during which nothing was taken puts it back to min_reserved (so does an idle
+#    trim or set_pool_bounds). The pool never exceeds max_reserved, as before; it may sit above
+#    min_reserved after a burst until used or idle-trimmed.
+#  - A round maps one page per map_lock hold and pools it at once (broadcasting pool_cv), so a
+#    page is usable as soon as it is mapped, not when the whole round ends.
+#  - A caller short of pages while a round runs that will cover its need waits on pool_cv for the
+#    round's pages (num_pool_waits) instead of taking map_lock: before, it queued behind the
+#    round on map_lock, then re-took it ahead of the thread and mapped its own pages, so callers
+#    and the thread took turns and most of a ramp's allocs paid for a mapping. A round that fails
+#    or ends, and stop(), broadcast pool_cv, so a waiter then falls back to mapping itself.
+# Lock order is unchanged: the waiter holds only `lock` (released in the wait) and maybe the
+# BlockAllocator's lock, which the thread never takes.

@@ -33,6 +33,9 @@ cdef void _trim_handle_cache(Backend backend, int keep) noexcept nogil:
 
 
 cdef enum:
+    _SMALL_IDS = 16        # map/unmap check this many ids without numpy (Note [Page table validation])
+
+cdef enum:
     _STAGE_NONE = 0        # nothing done for the segment in progress
     _STAGE_ACQUIRED = 1    # its handle acquired
     _STAGE_ZERO_OFF = 2    # the zero page unmapped from its address
@@ -233,6 +236,33 @@ cdef class PageTable:
         return 0
 
     # -- Python surface: validates, then calls the data path ---------------------------------
+    cdef int _small_ids(self, page_ids, bint want_mapped, int32_t* out) except -2:
+        """The fast check of map/unmap (Note [Page table validation]): for a list or tuple of at
+        most _SMALL_IDS exact ints, validate as _checked_ids does (same errors, same order) and
+        copy them to out; returns their count. -1: not such a sequence, use _checked_ids."""
+        cdef Py_ssize_t n, i, j
+        if type(page_ids) is not list and type(page_ids) is not tuple:
+            return -1
+        n = len(page_ids)
+        if n > _SMALL_IDS:
+            return -1
+        for i in range(n):
+            if type(page_ids[i]) is not int:
+                return -1
+        for i in range(n):
+            x = page_ids[i]
+            if x < 0 or x >= self.num_pages:       # Python compare: no overflow for huge ints
+                raise MappingError(f"page id {x} is out of range [0, {self.num_pages})")
+            out[i] = <int32_t>(<long long>x)
+        for i in range(1, n):
+            for j in range(i):
+                if out[i] == out[j]:
+                    raise MappingError(f"page ids {list(page_ids)} contain duplicates")
+        for i in range(n):
+            if (self.mapped[out[i]] != 0) != want_mapped:
+                raise MappingError(f"page {out[i]} is {'not ' if want_mapped else 'already '}mapped")
+        return <int>n
+
     cdef object _checked_ids(self, page_ids, bint want_mapped):
         import numpy as np
         ids = np.asarray(page_ids)
@@ -256,8 +286,18 @@ cdef class PageTable:
     def map(self, page_ids) -> bool:
         """Map the given page ids, all or nothing. Returns False (nothing changed) when out of
         memory. Raises MappingError for an id out of range, repeated or already mapped."""
-        cdef int rc = 0
-        cdef int32_t[::1] ids = self._checked_ids(page_ids, False)
+        cdef int rc = 0, n
+        cdef int32_t small[_SMALL_IDS]
+        cdef int32_t[::1] ids
+        n = self._small_ids(page_ids, False, small)
+        if n >= 0:
+            _check_ranges_alive(self.ranges)
+            if n == 0:
+                return True
+            with nogil:
+                rc = self.map_pages(small, n)
+            return rc == 0
+        ids = self._checked_ids(page_ids, False)
         _check_ranges_alive(self.ranges)
         if ids.shape[0] == 0:
             return True
@@ -268,12 +308,96 @@ cdef class PageTable:
     def unmap(self, page_ids) -> None:
         """Unmap the given page ids. Raises MappingError (nothing changed) for an id out of range,
         repeated or not mapped."""
-        cdef int32_t[::1] ids = self._checked_ids(page_ids, True)
+        cdef int n
+        cdef int32_t small[_SMALL_IDS]
+        cdef int32_t[::1] ids
+        n = self._small_ids(page_ids, True, small)
+        if n >= 0:
+            _check_ranges_alive(self.ranges)
+            if n > 0:
+                with nogil:
+                    self.unmap_pages(small, n)
+            return
+        ids = self._checked_ids(page_ids, True)
         _check_ranges_alive(self.ranges)
         if ids.shape[0] == 0:
             return
         with nogil:
             self.unmap_pages(&ids[0], <int>ids.shape[0])
+
+    def driver_floor(self, int page_id, int repeats=50):
+        """Benchmark hook: what mapping `page_id` costs in driver calls alone. Takes one handle
+        per segment (through the cache) once, then `repeats` times maps every segment and unmaps
+        them again, timing each pass over all segments in two ways: "raw" (CUDA: cuMemMap +
+        cuMemSetAccess straight from cydriver, the context bound once per pass; host: the
+        backend's primitives) and "primitives" (the backend's _map + _set_access, which bind the
+        context per call, as map_pages does). Returns {"raw_map_us", "raw_unmap_us",
+        "primitives_map_us"}: lists of µs per pass. The page table's state is not touched: the
+        page id must be unmapped and the zero page off. Raises MappingError otherwise."""
+        cdef uint64_t* handles
+        cdef int s, r, got = 0, rc
+        cdef int nseg = self.num_segments
+        cdef size_t mb = self.map_bytes
+        cdef uintptr_t base
+        cdef double t0, t1, t2
+        cdef bint cuda = isinstance(self.backend, CudaBackend)
+        cdef CudaBackend cb = self.backend if cuda else None
+        if not 0 <= page_id < self.num_pages or self.mapped[page_id] or self.zero_page:
+            raise MappingError(f"driver_floor needs an unmapped page id in [0, {self.num_pages}) and no zero page")
+        _check_ranges_alive(self.ranges)
+        raw_map, raw_unmap, prim_map = [], [], []
+        handles = <uint64_t*>calloc(nseg, sizeof(uint64_t))
+        if handles == NULL:
+            raise MemoryError
+        try:
+            for s in range(nseg):
+                rc = self.backend.acquire_handle(mb, &handles[s])
+                if rc != 0:
+                    raise OutOfDeviceMemory("driver_floor", 2, "out of memory", f"{nseg} handles of {mb} bytes")
+                got += 1
+            for r in range(repeats):
+                with nogil:
+                    t0 = _now()
+                    if cuda:
+                        cb._bind()
+                        for s in range(nseg):
+                            base = self.segment_base[s] + <size_t>page_id * mb
+                            check(cydriver.cuMemMap(<cydriver.CUdeviceptr>base, mb, 0,
+                                                    <cydriver.CUmemGenericAllocationHandle>handles[s], 0), "cuMemMap")
+                            check(cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>base, mb, &cb.access_rw, 1),
+                                  "cuMemSetAccess")
+                    else:
+                        for s in range(nseg):
+                            base = self.segment_base[s] + <size_t>page_id * mb
+                            self.backend._map(base, mb, handles[s])
+                            self.backend._set_access(base, mb, True)
+                    t1 = _now()
+                    if cuda:
+                        cb._bind()
+                        for s in range(nseg):
+                            check(cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(self.segment_base[s] + <size_t>page_id * mb), mb),
+                                  "cuMemUnmap")
+                    else:
+                        for s in range(nseg):
+                            self.backend._unmap(self.segment_base[s] + <size_t>page_id * mb, mb)
+                    t2 = _now()
+                raw_map.append((t1 - t0) * 1e6)
+                raw_unmap.append((t2 - t1) * 1e6)
+                with nogil:
+                    t0 = _now()
+                    for s in range(nseg):
+                        base = self.segment_base[s] + <size_t>page_id * mb
+                        self.backend._map(base, mb, handles[s])
+                        self.backend._set_access(base, mb, True)
+                    t1 = _now()
+                    for s in range(nseg):
+                        self.backend._unmap(self.segment_base[s] + <size_t>page_id * mb, mb)
+                prim_map.append((t1 - t0) * 1e6)
+        finally:
+            for s in range(got):
+                self.backend.recycle_handle(handles[s], mb)
+            free(handles)
+        return {"raw_map_us": raw_map, "raw_unmap_us": raw_unmap, "primitives_map_us": prim_map}
 
     def is_mapped(self, int page_id) -> bool:
         if not 0 <= page_id < self.num_pages:
@@ -353,3 +477,11 @@ cdef class PageTable:
 # read zeros instead of faulting, at the price of mapping every page id at creation and an extra
 # unmap + map per page map and unmap. The zero page's handle may come from the cache, so it is
 # zeroed when the table is made.
+#
+# Note [Page table validation]
+# PageTable.map/unmap are the Python surface (tests, benchmarks, tools; the allocators call the
+# nogil map_pages directly). Their numpy check of the ids (asarray, unique, astype) costs ~10 us,
+# a quarter of a compound page map on the H200 (~45 us), so a list or tuple of up to _SMALL_IDS
+# exact ints is checked in a C loop instead, with the same errors in the same order (range, then
+# duplicates, then mapped state). Anything else (arrays, numpy ints, bools, floats) takes the numpy
+# path, which is what decides how those are accepted or refused.

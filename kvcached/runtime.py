@@ -21,6 +21,7 @@ from .layout import choose_layout, make_layout
 logger = logging.getLogger("kvcached")
 
 SHAPE_KINDS = ("flash_attn", "flashinfer", "mla")
+MAX_HANDLE_CACHE = 256          # the backend's bound (_MAX_CACHED_HANDLES)
 JOINT_KV_ATTENTION = ("hybrid", "mamba", "linear")
 ATTENTION_TYPES = ("MHA", "GQA", "MQA", "MLA") + JOINT_KV_ATTENTION
 
@@ -34,7 +35,7 @@ class KVGroup:
     layout_reason: str
     ranges: list
     page_table: object                  # kvcached._core.PageTable
-    tensors: list | None = None
+    tensors: list | None = field(default=None, repr=False)   # repr would read unmapped rows: segfault
     managers: list = field(default_factory=list)
 
 
@@ -110,13 +111,18 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
         raise KVCachedConfigError(
             f"world_size={world_size}: this release runs one kvcached instance per process and maps pages "
             f"in the process that allocates them; start one instance per rank with world_size=1.")
+    if page_size_bytes is not None and (isinstance(page_size_bytes, bool) or not isinstance(page_size_bytes, int)
+                                        or page_size_bytes <= 0):
+        raise KVCachedConfigError(f"page_size_bytes={page_size_bytes!r} must be a positive int (bytes), a multiple "
+                                  f"of the backend granularity, or None for KVCACHED_PAGE_SIZE_MB")
     settings = config.settings()
     logging.getLogger("kvcached").setLevel(settings.log_level)
-    page_bytes = settings.page_size_mb << 20 if page_size_bytes is None else int(page_size_bytes)
+    page_bytes = settings.page_size_mb << 20 if page_size_bytes is None else page_size_bytes
     with _lock:
         wanted = _parse_device(device)
         if _runtime is not None:
-            if _runtime.device != wanted or _runtime.page_bytes != page_bytes:
+            # page_size_bytes=None asks for no particular size: engines call init again without it
+            if _runtime.device != wanted or (page_size_bytes is not None and _runtime.page_bytes != page_bytes):
                 raise KVCachedConfigError(
                     f"kvcached is already initialised on {_runtime.device} with pages of {_runtime.page_bytes} "
                     f"bytes; call shutdown_kvcached() before init_kvcached(device={device!r}).")
@@ -143,6 +149,8 @@ def _shape_kind(kvcache_shape, block_size: int, attention_type: str, kv_layout: 
     """(shape_kind, num_blocks, block_shape in NHD order, num_kv_buffers) of an engine's shape."""
     shape = tuple(int(x) for x in kvcache_shape)
     if attention_type == "MLA":
+        if kv_layout != "NHD":
+            raise KVCachedConfigError("kv_layout='HND' has no meaning for MLA (no head dimension); use NHD")
         if len(shape) != 3 or shape[1] != block_size:
             raise KVCachedConfigError(
                 f"MLA kvcache_shape must be (num_blocks, block_size={block_size}, dim), got {shape}")
@@ -180,6 +188,11 @@ def _create_group(rt: _Runtime, group_id: int, num_layers: int, num_kv_buffers: 
                          rt.backend.granularity)
     ranges = [rt.backend.reserve(size) for size in layout.range_sizes()]
     page_table = layout.page_table(rt.backend, ranges, zero_page=settings.zero_page)
+    # Room in the handle cache for every mapping of one page id: a page unmapped and mapped
+    # again (pool 0, or a pool edge) then skips cuMemCreate/cuMemRelease for all of them.
+    # Under a global budget the cache stays off (KVCacheManager._attach_budget says why).
+    if settings.global_budget is None and rt.backend.cache_capacity < page_table.num_segments:
+        rt.backend.set_handle_cache_capacity(min(page_table.num_segments, MAX_HANDLE_CACHE))
     group = KVGroup(group_id, layout, reason, ranges, page_table)
     rt.groups[group_id] = group
     logger.info("group %d: %s layout (%s), %d pages of %d bytes", group_id, name, reason, layout.num_pages,
@@ -208,13 +221,16 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
         raise KVCachedConfigError(f"kv_layout={kv_layout!r} is unknown; use 'NHD' or 'HND'")
     if not isinstance(dtype, torch.dtype):
         raise KVCachedConfigError(f"dtype={dtype!r} is not a torch.dtype")
+    if isinstance(group_id, bool) or not isinstance(group_id, int) or group_id < 0:
+        raise KVCachedConfigError(f"group_id={group_id!r} must be an int >= 0")
     with _lock:
         if _runtime is None:
             init_kvcached(device=device)
         rt = _runtime
         if device is not None and _parse_device(device) != rt.device:
             raise KVCachedConfigError(f"device={device!r} differs from the initialised device {rt.device}")
-        if group_id in rt.groups:
+        existing = rt.groups.get(group_id)
+        if existing is not None and existing.tensors is not None:
             raise KVCachedConfigError(f"group_id={group_id} already has KV tensors; use another group_id or "
                                       f"call shutdown_kvcached() first")
         kind, num_blocks, block_shape, num_kv_buffers = _shape_kind(kvcache_shape, block_size, attention_type,
@@ -222,9 +238,24 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
         block_bytes = dtype.itemsize
         for extent in block_shape:
             block_bytes *= extent
-        group = _create_group(rt, group_id, num_layers, num_kv_buffers, block_bytes, num_blocks,
-                              attention_type in JOINT_KV_ATTENTION)
-        views = group.layout.views([r.tensor() for r in group.ranges], kind, dtype, block_shape, kv_layout)
+        joint_kv = attention_type in JOINT_KV_ATTENTION
+        if existing is None:
+            group = _create_group(rt, group_id, num_layers, num_kv_buffers, block_bytes, num_blocks, joint_kv)
+        else:
+            # A manager came first and made the group (kv_group): give it tensors if its geometry fits.
+            group = kv_group(group_id, num_layers, num_kv_buffers, block_bytes, num_blocks)
+            if joint_kv and group.layout.name != "interleaved":
+                raise KVCachedConfigError(
+                    f"group {group_id} was made by a manager with the {group.layout.name} layout, but "
+                    f"attention_type={attention_type!r} needs interleaved: call alloc_kv_cache before making "
+                    f"the manager")
+        try:
+            views = group.layout.views([r.tensor() for r in group.ranges], kind, dtype, block_shape, kv_layout)
+        except BaseException:
+            if existing is None:            # a failed call leaves no group behind
+                del rt.groups[group_id]
+                group.page_table.close()
+            raise
         group.tensors = [_requested_rows(view, kind, num_blocks) for view in views] \
             if group.layout.name != "page_grouped" else views
         return group.tensors
@@ -254,15 +285,21 @@ def kv_group(group_id: int, num_layers: int, num_kv_buffers: int, block_bytes: i
 
 def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_layers: int,
                          num_kv_buffers: int = 2, group_id: int = 0, pool_name: str | None = None):
-    """The manager of `group_id` (and `pool_name`), created on first use."""
+    """The manager of `group_id`, created on first use; later calls with the same arguments get the
+    same manager. Raises KVCachedConfigError when the group's live manager was made with other
+    arguments (a group has one manager at a time)."""
     from .kv_cache_manager import KVCacheManager
 
     with _lock:
         rt = runtime()
         group = rt.groups.get(group_id)
         for manager in group.managers if group is not None else ():
-            if manager.pool_name == pool_name and manager.num_blocks == num_blocks:
+            if (manager.pool_name, manager.num_blocks, manager.block_size, manager.cell_size, manager.num_layers,
+                    manager.num_kv_buffers) == (pool_name, num_blocks, block_size, cell_size, num_layers,
+                                                num_kv_buffers):
                 return manager
+        # Otherwise a live manager of the group makes the constructor refuse: See Note
+        # [One manager per group] in kv_cache_manager.
         return KVCacheManager(num_blocks, block_size, cell_size, num_layers, num_kv_buffers=num_kv_buffers,
                               group_id=group_id, pool_name=pool_name)
 

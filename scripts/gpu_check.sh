@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU machine's check, run unattended from the repo root (offline):
-#   build in place, the `gpu` tests, the VMM benchmark, then the whole CPU suite.
+#   build in place, the `gpu` tests, the whole CPU suite, then the benchmarks on the GPU:
+#   bench_vmm, bench_alloc, bench_manager (JSON in $OUT), the pytest-benchmark suite
+#   ($OUT/bench_<date>_<commit>.json), and bench_handover / bench_sharing when they exist.
+#   About 5-7 minutes on the H200.
 # Every step logs to $OUT/<step>.log; a failing step does not stop the next; a summary ends it and
 # the exit status is the number of failed steps (0 = all passed).
 #
 #   OUT=/some/dir bash scripts/gpu_check.sh          # OUT defaults to ./gpu_out
 #
 # To add a step: write a function step_<name> below and append <name> to STEPS (order matters:
-# `build` first; GPU_CHECK_STEPS="a b" runs a subset). E.g. for the allocator benchmark:
-#   step_bench_alloc() { python benchmarks/bench_alloc.py --device cuda --json "$OUT/bench_alloc.json"; }
-#   STEPS+=(bench_alloc)
+# `build` first; GPU_CHECK_STEPS="a b" runs a subset, e.g. GPU_CHECK_STEPS="build bench_manager").
 set -o pipefail
 set -u
 
@@ -62,7 +63,45 @@ step_cpu_tests() {
     "$PYTHON" -m pytest tests -q -x -p no:cacheprovider
 }
 
-STEPS=(env build gpu_tests bench_vmm cpu_tests)
+step_bench_alloc() {
+    "$PYTHON" benchmarks/bench_alloc.py --device cuda --json "$OUT/bench_alloc.json"
+}
+
+step_bench_manager() {
+    "$PYTHON" benchmarks/bench_manager.py --device cuda --json "$OUT/bench_manager.json"
+}
+
+step_pytest_bench() {
+    # the pytest-benchmark suite on the GPU; the lead copies the JSON to benchmarks/results/
+    local commit
+    commit="$(git rev-parse --short HEAD 2>/dev/null || echo nogit)"
+    local raw="${TMPDIR:-/tmp}/kvcached_bench_raw.json"
+    "$PYTHON" -m pytest benchmarks -q -p no:cacheprovider -p no:randomly --benchmark-only \
+        --bench-device cuda --benchmark-json "$raw" || return 1
+    # pytest-benchmark keeps every timing ("data", ~80 MB here): keep the statistics only
+    "$PYTHON" - "$raw" "$OUT/bench_$(date -u +%Y%m%d)_${commit}.json" <<'EOF'
+import json, sys
+doc = json.load(open(sys.argv[1]))
+for bench in doc.get("benchmarks", []):
+    bench.get("stats", {}).pop("data", None)
+json.dump(doc, open(sys.argv[2], "w"), indent=1)
+print("wrote", sys.argv[2])
+EOF
+}
+
+step_bench_handover() {
+    "$PYTHON" benchmarks/bench_handover.py --device cuda
+}
+
+step_bench_sharing() {
+    "$PYTHON" benchmarks/bench_sharing.py --device cuda
+}
+
+STEPS=(env build gpu_tests cpu_tests bench_vmm bench_alloc bench_manager pytest_bench)
+# others' benchmarks, when they exist
+for optional in bench_handover bench_sharing; do
+    [[ -f "benchmarks/$optional.py" ]] && STEPS+=("$optional")
+done
 # GPU_CHECK_STEPS="gpu_tests bench_vmm" runs a subset (e.g. when already built).
 if [[ -n "${GPU_CHECK_STEPS:-}" ]]; then
     read -ra STEPS <<<"$GPU_CHECK_STEPS"

@@ -112,14 +112,17 @@ def test_check_invariants_catches_bad_usage(tracker):
 
 def test_reader_never_sees_a_torn_publish():
     """A writer process publishes used = reserved = k as fast as it can; every snapshot read
-    meanwhile must show equal values, rising."""
+    meanwhile that claims to be consistent must show equal values, rising. (A reader may give up
+    and say so, consistent=False, when the writer is inside on every attempt: on a loaded machine
+    a writer spinning flat out can starve it. That is liveness, not a torn read.)"""
     name = unique_name("seqlock")
     with Proc("writer", name, "1.5") as writer:
         last, distinct = -1, set()
         deadline = time.monotonic() + 1.2
         while time.monotonic() < deadline:
             snap = read_segment(name)
-            assert snap.consistent
+            if not snap.consistent:
+                continue
             assert snap.used_bytes == snap.reserved_bytes, snap
             assert snap.used_bytes >= last
             assert snap.usage_seq % 2 == 0

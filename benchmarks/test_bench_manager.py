@@ -1,0 +1,62 @@
+"""The main manager cases of bench_manager.py as pytest-benchmark tests, per layout.
+
+    pytest benchmarks/ --benchmark-only                          # measure (host backend)
+    pytest benchmarks/ --benchmark-only --bench-device cuda      # measure on the GPU
+    pytest benchmarks/ --benchmark-disable                       # run each once (CI)
+
+Same model as bench_manager.py (32 layers, 8x128 bf16, block 16, 2 MiB pages) with a smaller
+cache (4096 blocks, 64 page ids) so that a CI run stays short.
+"""
+
+import pytest
+
+from bench_manager import LAYOUTS, Instance, cycle, threads_ops
+
+NUM_BLOCKS = 4096
+
+
+@pytest.fixture(params=LAYOUTS)
+def pooled(request, bench_device):
+    inst = Instance(bench_device, request.param, num_blocks=NUM_BLOCKS)
+    inst.warm_pool()
+    yield inst
+    inst.close()
+
+
+@pytest.fixture(params=LAYOUTS)
+def unpooled(request, bench_device):
+    inst = Instance(bench_device, request.param, pool=(0, 0), num_blocks=NUM_BLOCKS)
+    yield inst
+    inst.close()
+
+
+@pytest.mark.parametrize("k", [16, 256])
+def test_manager_alloc_free_pool_on(benchmark, pooled, k):
+    benchmark(cycle(pooled.m, k))
+    assert pooled.m.stats()["allocated"] == 0
+
+
+def test_manager_alloc_free_pool_0(benchmark, unpooled):
+    benchmark.pedantic(cycle(unpooled.m, 16), rounds=20 if unpooled.layout != "per_layer" else 5, iterations=1)
+    assert unpooled.pages.stats()["reserved"] == 0
+
+
+def test_manager_available_size(benchmark, pooled):
+    assert benchmark(pooled.m.available_size) > 0
+
+
+def test_manager_threads_alloc_free(benchmark, pooled):
+    ops = benchmark.pedantic(threads_ops, args=(pooled.m, 8), kwargs={"seconds": 0.05}, rounds=1, iterations=1)
+    assert ops > 0
+
+
+def test_manager_map_one_page(benchmark, unpooled):
+    pt = unpooled.table
+    unpooled.pages.stop()
+    p = pt.num_pages - 1
+
+    def map_unmap():
+        assert pt.map([p])
+        pt.unmap([p])
+    benchmark.pedantic(map_unmap, rounds=5 if unpooled.layout == "per_layer" else 20, iterations=1)
+    assert not pt.is_mapped(p)
