@@ -2,7 +2,8 @@
 # placement], Note [Allocator locks], Note [try_to_reserve], Note [Block id objects].
 
 from cpython.list cimport PyList_New, PyList_GET_SIZE, PyList_GET_ITEM
-from cpython.long cimport PyLong_AsLongLong
+from cpython.long cimport PyLong_AsLongLong, PyLong_CheckExact
+from operator import index as _index
 
 cdef extern from *:
     """
@@ -445,15 +446,16 @@ cdef class BlockAllocator:
         return 0
 
     # -- Python surface -------------------------------------------------------------------------
-    def alloc(self, int n):
-        """Exactly n distinct block ids (a list of int), or None when the pages cannot be had
-        (out of memory, limit, capacity) — never a partial result; state unchanged on None.
+    def alloc(self, count):
+        """Exactly `count` distinct block ids (a list of int), or None when the pages cannot be
+        had (out of memory, limit, capacity) — never a partial result; state unchanged on None.
 
         Cost: O(n + pages touched); the pool fast path makes no driver call and keeps the GIL.
-        Raises ValueError for n < 0."""
+        Raises ValueError for count < 0, TypeError for a count that is not an integer (1.5)."""
         cdef int32_t stack_ids[_STACK_IDS]
         cdef int32_t* out = stack_ids
-        cdef int rc, i
+        cdef int rc, i, n
+        n = count if PyLong_CheckExact(count) else _index(count)
         if n <= 0:
             if n < 0:
                 raise ValueError(f"alloc(n={n}): n must be >= 0")
@@ -537,12 +539,13 @@ cdef class BlockAllocator:
         pthread_mutex_unlock(&self.lock)
         return total
 
-    def try_to_reserve(self, int n) -> bool:
-        """Hold n more blocks aside (allocated now, so their pages are mapped) for the next
+    def try_to_reserve(self, count) -> bool:
+        """Hold `count` more blocks aside (allocated now, so their pages are mapped) for the next
         allocs, which take held blocks first. True, or False with nothing changed. See
-        Note [try_to_reserve]."""
+        Note [try_to_reserve]. Raises TypeError for a count that is not an integer."""
         cdef int32_t* out
         cdef int rc, i
+        cdef int n = _index(count)
         if n < 0:
             raise ValueError(f"try_to_reserve(n={n}): n must be >= 0")
         if n == 0:

@@ -185,6 +185,8 @@ cdef class PageAllocator:
     cdef int num_used                           # ids handed out
     cdef int num_pending                        # ids waiting for their fence
     cdef int num_transit                        # ids in flight under map_lock
+    cdef int refill_transit                     # of those, ids the background refill is mapping for the pool
+    cdef int64_t refill_transit_weight          # their blocks (available_weight counts them as pool)
     cdef int64_t pool_weight                    # sum of the weights of the pool's ids
     cdef int32_t* pool                          # the pool, a stack (top = most recently returned)
     cdef int32_t* pend_ids                      # ring of pending ids, FIFO, batches contiguous

@@ -565,7 +565,9 @@ cdef class PageAllocator:
                 p = self._fw_pop_lowest()
                 self.state[p] = _PS_TRANSIT
                 self.scratch[i] = p
+                self.refill_transit_weight += self.weight[p]
             self.num_transit += k
+            self.refill_transit += k
             pthread_mutex_unlock(&self.lock)
             try:
                 if self._gate_acquire(k) == 0:
@@ -578,6 +580,9 @@ cdef class PageAllocator:
                 if gated and (not finished or rc != 0):
                     self._gate_release(k)
                 pthread_mutex_lock(&self.lock)
+                self.refill_transit -= k
+                for i in range(k):
+                    self.refill_transit_weight -= self.weight[self.scratch[i]]
                 if finished and rc == 0:
                     # a limit set while we mapped wins: keep only what still fits
                     fits = k
@@ -750,12 +755,13 @@ cdef class PageAllocator:
         k = self.num_free
         if self.limit_pages >= 0:
             k = min(k, <int64_t>self.limit_pages - self.num_used - self.num_pool - self.num_transit)
-        k = min(k, free_phys // <int64_t>self.page_bytes)
+        k = min(k, free_phys // <int64_t>self.page_bytes - self.refill_transit)
         k = max(0, k)
+        # pages the refill is mapping reach the pool, and a caller short of pages waits for them
         if by_weight:
-            k = (self.pool_weight + self._fw_weight_of_lowest(<int>k))
+            k = (self.pool_weight + self.refill_transit_weight + self._fw_weight_of_lowest(<int>k))
         else:
-            k += self.num_pool
+            k += self.num_pool + self.refill_transit
         pthread_mutex_unlock(&self.lock)
         return k
 

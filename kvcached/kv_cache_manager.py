@@ -8,6 +8,7 @@ See Note [Hot path binding] and Note [Limits].
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 
 from . import config, runtime
@@ -20,10 +21,17 @@ _UNITS = {"bytes": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 PUBLISH_INTERVAL_S = 0.01
 
 
-def _positive(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise KVCachedConfigError(f"{name}={value!r} must be a positive int")
-    return value
+def _positive(value, name: str, minimum: int = 1) -> int:
+    """value as an int >= minimum; any integer type (numpy's too, as engines pass), never a bool
+    or a float."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise KVCachedConfigError(f"{name}={value!r} must be {kind}")
+    return number
 
 
 def _clipped_intervals(layout, num_blocks: int):
@@ -52,7 +60,8 @@ class KVCacheManager:
     sparse (see kvcached.layout). Every method is thread-safe.
 
     Raises (constructor): KVCachedConfigError for a non-positive size, a geometry that differs
-    from the group's tensors, or world_size != 1.
+    from the group's tensors, a group that already has a live manager (Note [One manager per
+    group]), or world_size != 1.
     """
 
     def __init__(self, num_blocks: int, block_size: int, cell_size: int, num_layers: int, world_size: int = 1,
@@ -60,9 +69,11 @@ class KVCacheManager:
                  num_kv_buffers: int = 2, group_id: int = 0, pool_name: str | None = None):
         from ._core import BlockAllocator, PageAllocator
 
-        for value, name in ((num_blocks, "num_blocks"), (block_size, "block_size"), (cell_size, "cell_size"),
-                            (num_layers, "num_layers"), (num_kv_buffers, "num_kv_buffers")):
-            _positive(value, name)
+        num_blocks, block_size, cell_size, num_layers, num_kv_buffers = (
+            _positive(value, name) for value, name in (
+                (num_blocks, "num_blocks"), (block_size, "block_size"), (cell_size, "cell_size"),
+                (num_layers, "num_layers"), (num_kv_buffers, "num_kv_buffers")))
+        group_id = _positive(group_id, "group_id", minimum=0)
         if world_size != 1:
             raise KVCachedConfigError(
                 f"world_size={world_size}: each rank runs its own KVCacheManager with world_size=1 "
@@ -79,6 +90,7 @@ class KVCacheManager:
         self.async_sched = async_sched      # accepted for compatibility; allocation is synchronous
         self.block_bytes = block_size * cell_size
         self._group = runtime.kv_group(group_id, num_layers, num_kv_buffers, self.block_bytes, num_blocks)
+        self._refuse_second_manager()
         layout = self._group.layout
         self.layout = layout.name
         first, count, num_pages = _clipped_intervals(layout, num_blocks)
@@ -118,9 +130,22 @@ class KVCacheManager:
                                                daemon=True)
             self._publisher.start()
         self._pages.start()
-        self._group.managers.append(self)
+        with runtime._lock:
+            if self._group.managers:          # another constructor won the race
+                self.close()
+                self._refuse_second_manager()
+            self._group.managers.append(self)
         logger.info("manager of group %d: %d blocks in %d pages of %d bytes, segment %s", group_id, num_blocks,
                     num_pages, self.page_bytes, self.ipc_name)
+
+    def _refuse_second_manager(self) -> None:
+        """See Note [One manager per group]."""
+        for other in self._group.managers:
+            raise KVCachedConfigError(
+                f"group {self.group_id} already has a manager (num_blocks={other.num_blocks}, "
+                f"pool_name={other.pool_name!r}); two managers of one group would hand out the same blocks. "
+                f"Share it (get_kv_cache_manager with the same arguments), close() it first, or give the "
+                f"new manager its own group_id and alloc_kv_cache tensors.")
 
     def _ipc_name(self, base: str | None) -> str | None:
         if base is None:
@@ -195,6 +220,11 @@ class KVCacheManager:
         """Let this manager span `new_mem_size` bytes of KV memory (all layers and buffers), i.e.
         new_mem_size // page_bytes pages. False, with nothing changed, when that is past the
         reservation or below the pages holding live blocks. Raises ValueError if negative."""
+        if isinstance(new_mem_size, bool) or not isinstance(new_mem_size, int):
+            try:
+                new_mem_size = operator.index(new_mem_size)
+            except TypeError:
+                raise ValueError(f"new_mem_size={new_mem_size!r} must be an int (bytes)") from None
         if new_mem_size < 0:
             raise ValueError(f"new_mem_size={new_mem_size} must be >= 0")
         pages = new_mem_size // self.page_bytes
@@ -207,10 +237,19 @@ class KVCacheManager:
         self._blocks.trim()
 
     def clear(self) -> None:
-        """Free every block (the null block is kept)."""
-        self._blocks.clear()
-        if self.null_block is not None:
-            self._reserve_null_block()
+        """Free every block, held ones included; the null block stays allocated.
+
+        With a null block this is free_reserved() plus one free() of every other allocated id
+        (block 0 is never handed back: re-allocating it after a full clear would find the
+        allocator placing the next block elsewhere). O(blocks)."""
+        if self.null_block is None:
+            self._blocks.clear()
+            return
+        import numpy as np
+
+        self._blocks.free_reserved()
+        ids = np.flatnonzero(self._blocks.block_states() == 1).astype(np.int32)
+        self._blocks.free_from(ids[ids != self.null_block])
 
     # -- limits ----------------------------------------------------------------------------------
     def set_memory_limit(self, limit_bytes: int, *, revision: int) -> dict:
@@ -330,6 +369,13 @@ class KVCacheManager:
             self._group.managers.remove(self)
 
 
+# Note [One manager per group]
+# A manager's PageAllocator owns the page ids of its group's page table: it maps and unmaps them
+# with no one else to ask. A second live manager over the same group would map page 0 again for
+# its own block 0 (the table's fast path trusts its owner) and unmap it under the first one's live
+# blocks, so two managers of one group alias memory and fault. The constructor refuses; close()
+# the first one to make another, and get_kv_cache_manager hands back the live one.
+#
 # Note [Hot path binding]
 # alloc, free, alloc_into, free_from and available_size are rebound per instance to the Cython
 # allocator's methods, so a call from the engine is one C method call (the class's methods

@@ -11,6 +11,7 @@ import dataclasses
 from kvcached._core import BlockAllocator, HostBackend, PageAllocator, PageTable
 
 GRANULARITY = 64 << 10
+KV_PAGE_BYTES = 64 << 10          # page size of the runtime-level tests (init_kvcached(page_size_bytes=...))
 
 
 @dataclasses.dataclass

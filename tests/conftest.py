@@ -27,3 +27,43 @@ def stack_factory():
 def host_backend() -> HostBackend:
     """A host backend of 64 KiB granules with room for 16 of them (small enough to run out)."""
     return HostBackend(GRANULARITY, 16 * GRANULARITY)
+
+
+# -- the runtime-level fixture of test_kv_cache_manager / test_runtime / test_manager_integrity ----
+
+def _own_segments() -> set:
+    import glob
+    import os
+
+    return set(glob.glob(f"/dev/shm/kvcached.kvcached_{os.getpid()}_*"))
+
+
+@pytest.fixture
+def kv_env(monkeypatch):
+    """Set KVCACHED_* variables for one test and reload the settings; afterwards shut kvcached
+    down, restore the environment and check that no shared-memory segment of ours is left.
+
+    Call it as ``kv_env(LAYOUT="interleaved", MIN_RESERVED_PAGES=0, ...)`` (names without the
+    KVCACHED_ prefix) before init_kvcached. The tracker is off unless TRACKER=1 is passed."""
+    import os
+
+    from kvcached import config
+    from kvcached.runtime import shutdown_kvcached
+
+    shutdown_kvcached()
+    for name in [n for n in os.environ if n.startswith("KVCACHED_")]:
+        monkeypatch.delenv(name)
+    before = _own_segments()
+
+    def setenv(**values) -> None:
+        values.setdefault("TRACKER", 0)
+        for name, value in values.items():
+            monkeypatch.setenv(f"KVCACHED_{name}", str(value))
+        config.reload_settings()
+
+    yield setenv
+    shutdown_kvcached()
+    monkeypatch.undo()
+    config.reload_settings()
+    left = _own_segments() - before
+    assert not left, f"shared-memory segments left behind: {sorted(left)}"
