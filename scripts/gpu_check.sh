@@ -7,7 +7,8 @@
 # Every step logs to $OUT/<step>.log; a failing step does not stop the next; a summary ends it and
 # the exit status is the number of failed steps (0 = all passed).
 #
-#   OUT=/some/dir bash scripts/gpu_check.sh          # OUT defaults to ./gpu_out
+#   OUT=/some/dir bash scripts/gpu_check.sh          # OUT defaults to ./gpu_out; it receives
+#                                                     # summary.log and gpu_check.tgz (every log/JSON)
 #
 # To add a step: write a function step_<name> below and append <name> to STEPS (order matters:
 # `build` first; GPU_CHECK_STEPS="a b" runs a subset, e.g. GPU_CHECK_STEPS="build bench_manager").
@@ -15,9 +16,13 @@ set -o pipefail
 set -u
 
 cd "$(dirname "$0")/.."
-OUT="${OUT:-./gpu_out}"
+RESULTS="${OUT:-./gpu_out}"
+mkdir -p "$RESULTS"
+RESULTS="$(cd "$RESULTS" && pwd)"
+# Logs and JSON go to a work folder that survives between calls on the same machine; after each
+# step it is packed into $RESULTS/gpu_check.tgz (one file, so a run cut short still returns them).
+OUT="${GPU_CHECK_WORK:-${TMPDIR:-/tmp}/kvcached_gpu_check}"
 mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
 export PYTHONUNBUFFERED=1
 PYTHON="${PYTHON:-python3}"
 
@@ -74,7 +79,7 @@ step_bench_manager() {
 step_pytest_bench() {
     # the pytest-benchmark suite on the GPU; the lead copies the JSON to benchmarks/results/
     local commit
-    commit="$(git rev-parse --short HEAD 2>/dev/null || echo nogit)"
+    commit="${KVCACHED_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo nogit)}"
     local raw="${TMPDIR:-/tmp}/kvcached_bench_raw.json"
     "$PYTHON" -m pytest benchmarks -q -p no:cacheprovider -p no:randomly --benchmark-only \
         --bench-device cuda --benchmark-json "$raw" || return 1
@@ -89,6 +94,10 @@ print("wrote", sys.argv[2])
 EOF
 }
 
+step_demo() {
+    "$PYTHON" -m kvcached.demo
+}
+
 step_bench_handover() {
     "$PYTHON" benchmarks/bench_handover.py --device cuda
 }
@@ -97,7 +106,7 @@ step_bench_sharing() {
     "$PYTHON" benchmarks/bench_sharing.py --device cuda
 }
 
-STEPS=(env build gpu_tests cpu_tests bench_vmm bench_alloc bench_manager pytest_bench)
+STEPS=(env build demo gpu_tests cpu_tests bench_vmm bench_alloc bench_manager pytest_bench)
 # others' benchmarks, when they exist
 for optional in bench_handover bench_sharing; do
     [[ -f "benchmarks/$optional.py" ]] && STEPS+=("$optional")
@@ -119,6 +128,7 @@ for step in "${STEPS[@]}"; do
         failed=$((failed + 1))
     fi
     SECONDS_TAKEN[$step]=$(($(date +%s) - start))
+    tar czf "$RESULTS/gpu_check.tgz" -C "$OUT" .
 done
 
 {
@@ -128,5 +138,6 @@ done
         printf '  %-12s %-18s %4ss  %s\n' "$step" "${RESULT[$step]}" "${SECONDS_TAKEN[$step]}" \
             "$(tail -n 1 "$OUT/$step.log" 2>/dev/null | cut -c1-100)"
     done
-} | tee "$OUT/summary.log"
+} | tee "$OUT/summary.log" "$RESULTS/summary.log"
+tar czf "$RESULTS/gpu_check.tgz" -C "$OUT" .
 exit "$failed"
