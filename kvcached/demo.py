@@ -18,7 +18,10 @@ def _say(step: str, text: str) -> None:
 
 
 def _mapped(manager) -> str:
-    return format_bytes(int(manager.get_mapped_memory_size()))
+    pages = manager.stats()["pages"]
+    used, pool = pages["in_use"] * manager.page_bytes, pages["reserved"] * manager.page_bytes
+    return (f"{format_bytes(int(manager.get_mapped_memory_size()))} mapped ({format_bytes(used)} in pages with "
+            f"live blocks, {format_bytes(pool)} in the reserved pool)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     cell_size = heads * head_dim * dtype.itemsize
     manager = KVCacheManager(args.blocks, block_size, cell_size, args.layers)
     manager.trim()
-    _say("manager", f"{manager.available_size()} blocks available, {_mapped(manager)} mapped "
-                    f"(segment {manager.ipc_name}; see it with `kvctl list`)")
+    _say("manager", f"{manager.available_size()} blocks available, {_mapped(manager)}; "
+                    f"segment {manager.ipc_name} (see it with `kvctl list`)")
 
     generator = torch.Generator().manual_seed(0)
     requests = []
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
             kv[layer][1].index_fill_(0, index, -float(r + 1))
         requests.append(ids)
     blocks = sum(len(ids) for ids in requests)
-    _say("burst", f"{len(requests)} requests hold {blocks} blocks; mapped grew to {_mapped(manager)}, "
+    _say("burst", f"{len(requests)} requests hold {blocks} blocks: {_mapped(manager)}; "
                   f"{manager.available_size()} blocks still available")
 
     for r, ids in enumerate(requests):
@@ -81,14 +84,15 @@ def main(argv: list[str] | None = None) -> int:
             assert bool((k == r + 1).all()) and bool((v == -(r + 1)).all()), f"request {r}'s blocks changed"
     _say("check", f"every block of every request reads back what was written ({blocks} blocks, 2 layers, K and V)")
 
-    for ids in requests[::2]:
+    half = len(requests) // 2
+    for ids in requests[:half]:
         manager.free(ids)
-    _say("free", f"freed half of the requests: {_mapped(manager)} mapped (emptied pages beyond the reserved "
-                 f"pool are unmapped)")
-    for ids in requests[1::2]:
+    _say("free", f"freed the first {half} requests: {_mapped(manager)}; the pages they emptied went to the "
+                 f"pool up to its maximum, the rest were unmapped")
+    for ids in requests[half:]:
         manager.free(ids)
     manager.trim()
-    _say("free", f"freed the rest and trimmed the pool: {_mapped(manager)} mapped")
+    _say("free", f"freed the rest and trimmed the pool: {_mapped(manager)}")
 
     limit = 16 * manager.page_bytes
     state = manager.set_memory_limit(limit, revision=1)
