@@ -82,8 +82,9 @@ def time_per_call(fn, min_time: float = 0.2, repeats: int = 3) -> float:
     return best
 
 
-def cycle(s: Setup, k: int):
-    alloc, free = s.blocks.alloc, s.blocks.free
+def cycle(allocator, k: int):
+    """One alloc(k)+free of `allocator` (a BlockAllocator, a KVCacheManager), as a callable."""
+    alloc, free = allocator.alloc, allocator.free
 
     def run():
         free(alloc(k))
@@ -100,14 +101,15 @@ def free_1024(s: Setup, rounds: int = 200) -> float:
     return total / rounds
 
 
-def threads_ops(s: Setup, num_threads: int, k: int = 16, seconds: float = 0.5) -> float:
-    """Aggregate alloc(k)+free cycles per second over num_threads threads."""
+def threads_ops(allocator, num_threads: int, k: int = 16, seconds: float = 0.5) -> float:
+    """Aggregate alloc(k)+free cycles per second over num_threads threads sharing `allocator`
+    (anything with alloc and free: a BlockAllocator, a KVCacheManager)."""
     counts = [0] * num_threads
     stop = threading.Event()
     start = threading.Barrier(num_threads + 1)
 
     def worker(i):
-        alloc, free = s.blocks.alloc, s.blocks.free
+        alloc, free = allocator.alloc, allocator.free
         start.wait()
         n = 0
         while not stop.is_set():
@@ -164,17 +166,17 @@ def run(device: str, segments: int, quick: bool) -> list[tuple[str, str]]:
     s = Setup(device, segments)
     warm_pool(s)
     for k in KS:
-        rows.append((f"alloc({k})+free, pool on", f"{time_per_call(cycle(s, k), mt) * 1e6:8.2f} us"))
+        rows.append((f"alloc({k})+free, pool on", f"{time_per_call(cycle(s.blocks, k), mt) * 1e6:8.2f} us"))
     rows.append(("available_blocks()", f"{time_per_call(s.blocks.available_blocks, mt) * 1e6:8.3f} us"))
     for n in (1, 4, 8):
-        rows.append((f"{n} threads alloc(16)+free", f"{threads_ops(s, n, seconds=0.2 if quick else 0.5) / 1e3:8.0f} K ops/s"))
+        rows.append((f"{n} threads alloc(16)+free", f"{threads_ops(s.blocks, n, seconds=0.2 if quick else 0.5) / 1e3:8.0f} K ops/s"))
     s.close()
     s = Setup(device, segments, min_reserved=0, max_reserved=32)   # pages stay mapped: bookkeeping only
     rows.append(("free(1024 ids), 16 pages into the pool", f"{free_1024(s, 20 if quick else 200) * 1e6:8.2f} us"))
     s.close()
     s = Setup(device, segments, min_reserved=0, max_reserved=0)
     for k in KS:
-        rows.append((f"alloc({k})+free, pool off", f"{time_per_call(cycle(s, k), mt, repeats=2) * 1e6:8.2f} us"))
+        rows.append((f"alloc({k})+free, pool off", f"{time_per_call(cycle(s.blocks, k), mt, repeats=2) * 1e6:8.2f} us"))
     s.close()
     for gap in (50e-6, 0.0):
         s = Setup(device, segments, num_pages=400)

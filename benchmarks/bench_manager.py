@@ -36,14 +36,13 @@ import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_alloc import time_per_call  # noqa: E402
+from bench_alloc import cycle, threads_ops, time_per_call  # noqa: E402
 
 LAYOUTS = ("per_layer", "interleaved", "page_grouped")
 NUM_LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -108,41 +107,6 @@ class Instance:
 
 
 # -- measurements -----------------------------------------------------------------------------------
-
-
-def cycle(m, k: int):
-    alloc, free = m.alloc, m.free
-
-    def run():
-        free(alloc(k))
-    return run
-
-
-def threads_ops(m, num_threads: int, k: int = 16, seconds: float = 0.5) -> float:
-    counts = [0] * num_threads
-    stop = threading.Event()
-    start = threading.Barrier(num_threads + 1)
-
-    def worker(i):
-        alloc, free = m.alloc, m.free
-        start.wait()
-        n = 0
-        while not stop.is_set():
-            for _ in range(50):
-                free(alloc(k))
-            n += 50
-        counts[i] = n
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(num_threads)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join()
-    return sum(counts) / (time.perf_counter() - t0)
 
 
 def ramp(inst: Instance, requests: int, k: int = 16, gap_s: float = 50e-6) -> dict:

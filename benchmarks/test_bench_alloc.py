@@ -26,13 +26,13 @@ def unpooled(request):
 
 @pytest.mark.parametrize("k", [1, 16, 256])
 def test_alloc_free_pool_on(benchmark, pooled, k):
-    benchmark(cycle(pooled, k))
+    benchmark(cycle(pooled.blocks, k))
     assert pooled.blocks.stats()["allocated"] == 0
 
 
 @pytest.mark.parametrize("k", [1, 16])
 def test_alloc_free_pool_off(benchmark, unpooled, k):
-    benchmark(cycle(unpooled, k))
+    benchmark(cycle(unpooled.blocks, k))
     assert unpooled.table.num_mapped == 0
 
 
@@ -52,5 +52,5 @@ def test_free_1024(benchmark):
 
 @pytest.mark.parametrize("threads", [1, 8])
 def test_threads_alloc_free(benchmark, pooled, threads):
-    ops = benchmark.pedantic(threads_ops, args=(pooled, threads), kwargs={"seconds": 0.05}, rounds=1, iterations=1)
+    ops = benchmark.pedantic(threads_ops, args=(pooled.blocks, threads), kwargs={"seconds": 0.05}, rounds=1, iterations=1)
     assert ops > 0

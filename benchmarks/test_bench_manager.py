@@ -10,7 +10,8 @@ cache (4096 blocks, 64 page ids) so that a CI run stays short.
 
 import pytest
 
-from bench_manager import LAYOUTS, Instance, cycle, threads_ops
+from bench_alloc import cycle, threads_ops
+from bench_manager import LAYOUTS, Instance
 
 NUM_BLOCKS = 4096
 
