@@ -499,7 +499,8 @@ class LimitRequest:
 
 
 def request_limit(name: str, limit_bytes: int, revision: int | None = None) -> LimitRequest:
-    """Ask instance ``name`` to change its limit to ``limit_bytes`` (0 allowed).
+    """Ask instance ``name`` to change its limit to ``limit_bytes`` (0 allowed; NO_LIMIT removes
+    the limit).
 
     ``revision`` None takes the next free revision (one above both the instance's current
     revision and the last requested one), so concurrent operators never reuse one. The instance's
@@ -507,12 +508,13 @@ def request_limit(name: str, limit_bytes: int, revision: int | None = None) -> L
     A later request supersedes one the instance has not handled yet. See Note [Limit requests].
 
     Raises:
-        KVCachedConfigError: ``limit_bytes`` or ``revision`` is negative or not an int.
+        KVCachedConfigError: ``limit_bytes`` below NO_LIMIT, ``revision`` negative, or not ints.
         KVCachedError: no such instance, or its file is not a segment. Nothing was written.
     """
-    if not isinstance(limit_bytes, int) or limit_bytes < 0:
+    if not isinstance(limit_bytes, int) or limit_bytes < NO_LIMIT:
         raise KVCachedConfigError(
-            f"limit_bytes={limit_bytes!r} is invalid: give an int >= 0 (0 releases everything)")
+            f"limit_bytes={limit_bytes!r} is invalid: give an int >= 0 (0 releases everything), "
+            f"or NO_LIMIT ({NO_LIMIT}) to remove the limit")
     if revision is not None and (not isinstance(revision, int) or revision < 0):
         raise KVCachedConfigError(
             f"revision={revision!r} is invalid: give an int >= 0, or None for the next one")

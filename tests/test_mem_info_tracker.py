@@ -258,8 +258,8 @@ def test_failing_callback_is_acknowledged_as_error(tracker):
 
 
 def test_request_validation(tracker):
-    with pytest.raises(KVCachedConfigError, match="limit_bytes=-1"):
-        request_limit(tracker.name, -1)
+    with pytest.raises(KVCachedConfigError, match="limit_bytes=-2"):
+        request_limit(tracker.name, -2)
     with pytest.raises(KVCachedConfigError, match="revision=-2"):
         request_limit(tracker.name, 0, revision=-2)
     with pytest.raises(KVCachedError, match="no kvcached instance named"):

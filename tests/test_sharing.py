@@ -307,6 +307,10 @@ def test_kvctl_limits_reach_a_running_manager(managers):
     assert m.ask(f"limit {page} 8")["status"] == "conflict"
     assert m.ask(f"limit {page} 9")["status"] == "applied"
     assert seg_state(name)[:2] == (page, "applied")
+    # `none` removes the limit: the pool grows back and every block can be had again.
+    assert limit("none").startswith(f"{name}: applied ")
+    poll("limit removed", lambda: seg_state(name) == (-1, "applied", 2 * page))
+    assert m.ask(f"alloc {m.info['num_pages'] * bpp}")["ok"]
 
 
 def test_instance_limit_is_split_across_pools_by_capacity():

@@ -18,6 +18,7 @@ import time
 from ..budget import delete_budget, gc_budgets, list_budgets, read_budget, set_budget
 from ..errors import KVCachedError
 from ..mem_info_tracker import (
+    NO_LIMIT,
     Snapshot,
     delete_segment,
     gc_segments,
@@ -104,7 +105,7 @@ def cmd_limit(args: argparse.Namespace) -> int:
         raise _Fail(f"instance {args.name!r} is dead (pid {snap.pid} is gone); `kvctl gc` "
                     "removes its segment")
     try:
-        limit_bytes = parse_size(args.size, snap.capacity_bytes)
+        limit_bytes = NO_LIMIT if args.size.strip().lower() == "none" else parse_size(args.size, snap.capacity_bytes)
     except ValueError as exc:
         raise _Fail(str(exc)) from None
     if args.timeout < 0:
@@ -263,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "reports.")
     p.add_argument("name", metavar="NAME")
     p.add_argument("size", metavar="SIZE",  # argparse formats help with %
-                   help=SIZE_HELP.replace("%", "%%") + "; 0 releases everything")
+                   help=SIZE_HELP.replace("%", "%%") + "; 0 releases everything; none removes the limit")
     p.add_argument("--revision", type=int, help="revision of this limit (default: the next one)")
     p.add_argument("--timeout", type=float, default=1.0,
                    help="seconds to wait for the instance's answer (default 1)")
