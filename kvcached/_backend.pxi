@@ -61,6 +61,9 @@ cdef class Backend:
         self.cache_capacity = DEFAULT_HANDLE_CACHE_SIZE
         self.fault_countdown = -1
 
+    def __init__(self, *args, **kwargs):
+        raise TypeError("Backend is abstract: use CudaBackend(device_id) or HostBackend()")
+
     def __dealloc__(self):
         pthread_mutex_destroy(&self._lock)
 

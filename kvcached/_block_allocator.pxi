@@ -73,7 +73,7 @@ cdef class BlockAllocator:
     def __cinit__(self, *args, **kwargs):
         pthread_mutex_init(&self.lock, NULL)
 
-    def __init__(self, PageAllocator pages, page_first_block, page_num_blocks, int64_t id_to_page_num,
+    def __init__(self, PageAllocator pages not None, page_first_block, page_num_blocks, int64_t id_to_page_num,
                  int64_t id_to_page_den, int64_t max_block_id):
         """pages: a fresh PageAllocator (no page taken yet; the weights are bound here);
         page_first_block, page_num_blocks: one entry per page id of its table; block b lies in
@@ -166,7 +166,7 @@ cdef class BlockAllocator:
             pages._bind_weights(&w[0])
 
     @classmethod
-    def dense(cls, PageAllocator pages, int64_t block_bytes, page_bytes=None, max_block_id=None):
+    def dense(cls, PageAllocator pages not None, int64_t block_bytes, page_bytes=None, max_block_id=None):
         """Dense ids: block b covers bytes [b * block_bytes, (b + 1) * block_bytes) of each buffer
         and page p the bytes [p * page_bytes, (p + 1) * page_bytes) (default: the table's
         map_bytes, i.e. one segment); blocks straddling two pages are never handed out.
@@ -184,7 +184,7 @@ cdef class BlockAllocator:
         return cls(pages, np.where(count > 0, first, 0), count, block_bytes, pb, top)
 
     @classmethod
-    def sparse(cls, PageAllocator pages, int ids_per_page, int blocks_per_page):
+    def sparse(cls, PageAllocator pages not None, int ids_per_page, int blocks_per_page):
         """Sparse page-grouped ids: page p holds [p * ids_per_page, p * ids_per_page +
         blocks_per_page)."""
         import numpy as np
@@ -446,33 +446,33 @@ cdef class BlockAllocator:
         return 0
 
     # -- Python surface -------------------------------------------------------------------------
-    def alloc(self, count):
-        """Exactly `count` distinct block ids (a list of int), or None when the pages cannot be
+    def alloc(self, n):
+        """Exactly `n` distinct block ids (a list of int), or None when the pages cannot be
         had (out of memory, limit, capacity) — never a partial result; state unchanged on None.
 
         Cost: O(n + pages touched); the pool fast path makes no driver call and keeps the GIL.
-        Raises ValueError for count < 0, TypeError for a count that is not an integer (1.5)."""
+        Raises ValueError for n < 0, TypeError for an n that is not an integer (1.5)."""
         cdef int32_t stack_ids[_STACK_IDS]
         cdef int32_t* out = stack_ids
-        cdef int rc, i, n
-        n = count if PyLong_CheckExact(count) else _index(count)
-        if n <= 0:
-            if n < 0:
-                raise ValueError(f"alloc(n={n}): n must be >= 0")
+        cdef int rc, i, count
+        count = n if PyLong_CheckExact(n) else _index(n)
+        if count <= 0:
+            if count < 0:
+                raise ValueError(f"alloc(n={count}): n must be >= 0")
             return []
-        if n > _STACK_IDS:
-            out = <int32_t*>malloc(n * sizeof(int32_t))
+        if count > _STACK_IDS:
+            out = <int32_t*>malloc(count * sizeof(int32_t))
             if out == NULL:
                 raise MemoryError
         try:
-            rc = self._run_alloc(n, out, True)
+            rc = self._run_alloc(count, out, True)
             if rc != 0:
                 return None
-            result = PyList_New(n)
+            result = PyList_New(count)
             try:
-                kvc_fill_id_list(result, out, n, self.id_objs, self.id_objs_len)
+                kvc_fill_id_list(result, out, count, self.id_objs, self.id_objs_len)
             except MemoryError:
-                self._run_free(n, out)          # never a partial result: give the ids back
+                self._run_free(count, out)          # never a partial result: give the ids back
                 raise
             if self.debug_checks:
                 self.check_invariants()
@@ -539,33 +539,33 @@ cdef class BlockAllocator:
         pthread_mutex_unlock(&self.lock)
         return total
 
-    def try_to_reserve(self, count) -> bool:
-        """Hold `count` more blocks aside (allocated now, so their pages are mapped) for the next
+    def try_to_reserve(self, n) -> bool:
+        """Hold `n` more blocks aside (allocated now, so their pages are mapped) for the next
         allocs, which take held blocks first. True, or False with nothing changed. See
-        Note [try_to_reserve]. Raises TypeError for a count that is not an integer."""
+        Note [try_to_reserve]. Raises TypeError for an n that is not an integer."""
         cdef int32_t* out
         cdef int rc, i
-        cdef int n = _index(count)
-        if n < 0:
-            raise ValueError(f"try_to_reserve(n={n}): n must be >= 0")
-        if n == 0:
+        cdef int count = _index(n)
+        if count < 0:
+            raise ValueError(f"try_to_reserve(n={count}): n must be >= 0")
+        if count == 0:
             return True
-        out = <int32_t*>malloc(n * sizeof(int32_t))
+        out = <int32_t*>malloc(count * sizeof(int32_t))
         if out == NULL:
             raise MemoryError
         try:
             self._lock()
             try:
-                rc = self._alloc_locked(n, out, False, False)
+                rc = self._alloc_locked(count, out, False, False)
                 if rc == _NEED_SLOW:
                     with nogil:
-                        rc = self._alloc_locked(n, out, True, False)
+                        rc = self._alloc_locked(count, out, True, False)
                 if rc == 0:
-                    for i in range(n):
+                    for i in range(count):
                         self.block_state[out[i]] = _BS_HELD
                         self.held[self.num_held] = out[i]
                         self.num_held += 1
-                    self.num_allocated -= n
+                    self.num_allocated -= count
             finally:
                 pthread_mutex_unlock(&self.lock)
         finally:

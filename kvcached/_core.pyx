@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
 """kvcached's compiled core: the VMM backends, the page table, the allocators, DLPack export.
 
 Layers, each calling only the ones above it in this file (data-path order):

@@ -7,7 +7,6 @@ from kvcached.errors import (
     DriverError,
     DriverUnavailableError,
     KVCachedConfigError,
-    KVCachePoolExhausted,
     MappingError,
     OutOfDeviceMemory,
 )

@@ -38,7 +38,7 @@ cdef class PageAllocator:
         pthread_condattr_destroy(&attr)
         self.limit_pages = -1
 
-    def __init__(self, PageTable page_table, num_pages=None, int min_reserved=5, int max_reserved=10,
+    def __init__(self, PageTable page_table not None, num_pages=None, int min_reserved=5, int max_reserved=10,
                  double idle_trim_s=30.0):
         """page_table: the table whose ids are handed out; num_pages: initial capacity (page ids
         [0, num_pages)), default the table's num_pages; min_reserved / max_reserved: bounds of

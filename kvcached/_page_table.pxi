@@ -53,7 +53,7 @@ cdef class PageTable:
     Not thread-safe by itself: the page allocator serialises calls per page id.
     """
 
-    def __init__(self, Backend backend, list segments, size_t map_bytes, int num_pages, bint zero_page=False):
+    def __init__(self, Backend backend not None, list segments not None, size_t map_bytes, int num_pages, bint zero_page=False):
         """segments: [(VirtualRange, offset_bytes)], one per mapping of a page id.
 
         Raises MappingError if a segment's pages do not fit its range or are misaligned,
@@ -67,7 +67,10 @@ cdef class PageTable:
         backend.check_aligned(map_bytes, "map_bytes")
         span_bytes = <object>map_bytes * <object>num_pages     # Python ints: no size_t wrap-around
         spans = []
-        for r, offset in segments:
+        for item, offset in segments:
+            if not isinstance(item, VirtualRange):
+                raise MappingError(f"segment range {item!r} is not a VirtualRange (make one with backend.reserve)")
+            r = item
             if r.backend is not backend:
                 raise MappingError("every segment's range must belong to the page table's backend")
             if r.freed:

@@ -497,3 +497,33 @@ def test_unmerged_free_slots_do_not_exhaust_the_pool():
     h = b.create(2 * G)
     assert b.physical_bytes == 2 * G
     b.release(h, 2 * G)
+
+
+def test_objects_that_own_memory_cannot_be_copied_or_pickled():
+    # A copy of a range would be a second owner that frees the reservation when it dies.
+    import copy
+    import pickle
+
+    b = host_backend()
+    r = b.reserve(4 * b.granularity)
+    table = _core.PageTable(b, [(r, 0)], b.granularity, 4)
+    for obj in (b, r, table, _core.PageAllocator(table)):
+        with pytest.raises(TypeError):
+            copy.copy(obj)
+        with pytest.raises(TypeError):
+            pickle.dumps(obj)
+
+
+def test_none_and_abstract_arguments_are_refused_without_a_crash():
+    b = host_backend()
+    r = b.reserve(b.granularity)
+    with pytest.raises(TypeError, match="abstract"):
+        _core.Backend()
+    with pytest.raises(TypeError):
+        _core.PageTable(None, [(r, 0)], b.granularity, 1)
+    with pytest.raises(MappingError, match="not a VirtualRange"):
+        _core.PageTable(b, [(None, 0)], b.granularity, 1)
+    with pytest.raises(TypeError):
+        _core.PageAllocator(None)
+    with pytest.raises(TypeError):
+        _core.BlockAllocator.dense(None, 4096)

@@ -142,6 +142,10 @@ def test_alloc_never_partial(kv_env, layout):
         with pytest.raises(TypeError):
             m.try_to_reserve(not_a_count)
     assert snapshot(m) == before
+    assert len(m.alloc(n=2)) == 2 and m.try_to_reserve(n=1)        # the documented keyword
+    m.free_reserved()
+    m.clear()
+    before = snapshot(m)
     assert m.alloc(101) is None
     assert m.alloc(10**6) is None
     assert snapshot(m) == before
