@@ -286,10 +286,12 @@ class KVCacheManager:
         self._group.page_table.backend.release_cached()
 
     def _limit_met(self) -> bool:
+        """Whether the memory really mapped (pages whose unmap waits on a fence included) is
+        within the limit; unmaps first whatever pending pages the GPU is done with."""
         if self._limit_bytes == NO_LIMIT:
             return True
-        stats = self._pages.stats()
-        return (stats["in_use"] + stats["reserved"]) * self.page_bytes <= self._limit_bytes
+        self._pages.drain(False)
+        return self.get_mapped_memory_size() <= self._limit_bytes
 
     def _limit_state(self, status: str) -> dict:
         return {"status": status, "limit_bytes": self._limit_bytes, "revision": self._limit_revision,
