@@ -337,7 +337,17 @@ class PerLayerLayout(KVLayout):
         return layer, 0, self.block_bytes, self._buffer_bytes
 
 
-class InterleavedLayout(KVLayout):
+class _CompoundLayout(KVLayout):
+    """A layout of one range in which a page id is one compound mapping of L*K*P bytes."""
+
+    def range_sizes(self):
+        return [_round_up(self.num_pages * self.map_bytes, self.granularity)]
+
+    def segments(self, ranges):
+        return [(ranges[0], 0)]
+
+
+class InterleavedLayout(_CompoundLayout):
     """One range, block-major ``[block][layer][buffer]``: a block's buffers of every layer are
     adjacent; a page id is one compound mapping of L*K*P bytes."""
 
@@ -352,12 +362,6 @@ class InterleavedLayout(KVLayout):
         self.max_block_id = int(self.page_first_block[-1] + self.page_num_blocks[-1])
         self.usable_blocks = int(self.page_num_blocks.sum())
 
-    def range_sizes(self):
-        return [_round_up(self.num_pages * self.map_bytes, self.granularity)]
-
-    def segments(self, ranges):
-        return [(ranges[0], 0)]
-
     def byte_location(self, block_id, layer, buffer):
         self._check_location_args(block_id, layer, buffer)
         stride = self.buffers_per_page * self.block_bytes
@@ -368,7 +372,7 @@ class InterleavedLayout(KVLayout):
                 self.buffers_per_page * self.block_bytes, self.block_bytes)
 
 
-class PageGroupedLayout(KVLayout):
+class PageGroupedLayout(_CompoundLayout):
     """One range, page-major ``[page][layer][buffer][slot]``: one compound mapping per page id, like
     interleaved, while a layer's blocks inside a page are adjacent, like per_layer. Sparse ids;
     opt-in only. See Note [Page-grouped ids]."""
@@ -390,12 +394,6 @@ class PageGroupedLayout(KVLayout):
         self.id_to_page_num, self.id_to_page_den = 1, self.ids_per_page
         self.max_block_id = (self.num_pages - 1) * self.ids_per_page + self.blocks_per_page
         self.usable_blocks = self.num_pages * self.blocks_per_page
-
-    def range_sizes(self):
-        return [_round_up(self.num_pages * self.map_bytes, self.granularity)]
-
-    def segments(self, ranges):
-        return [(ranges[0], 0)]
 
     def byte_location(self, block_id, layer, buffer):
         self._check_location_args(block_id, layer, buffer)
