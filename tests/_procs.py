@@ -103,6 +103,60 @@ def kvctl(*args: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
     return run_module("kvcached.cli.kvctl", *args, timeout_s=timeout_s)
 
 
+class KvtopTerminal:
+    """``kvtop`` on a pseudo-terminal, as an operator sees it. Use it as a context manager: on
+    exit a kvtop that did not quit is killed and the terminal closed."""
+
+    def __init__(self, rows: int, cols: int, interval_s: float = 0.1):
+        import pty
+
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # child: kvtop on the pseudo-terminal
+            os.execve(sys.executable, [sys.executable, "-m", "kvcached.cli.kvtop", "--interval", str(interval_s)],
+                      {**ENV, "TERM": "xterm"})
+        self.status: int | None = None
+        self.resize(rows, cols)
+
+    def resize(self, rows: int, cols: int) -> None:
+        """Set the terminal size (kvtop gets SIGWINCH)."""
+        import fcntl
+        import struct
+        import termios
+
+        fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+    def read_until(self, needles: list[bytes], timeout_s: float) -> bytes:
+        """What kvtop draws until every needle has appeared, or timeout_s has passed."""
+        screen, deadline = b"", time.monotonic() + timeout_s
+        while not all(n in screen for n in needles) and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.fd], [], [], 0.1)
+            if ready:
+                try:
+                    screen += os.read(self.fd, 65536)
+                except OSError:  # the child closed the terminal
+                    break
+        return screen
+
+    def quit(self, timeout_s: float) -> int | None:
+        """Press q and wait for kvtop to exit: its exit status, or None if it is still running."""
+        os.write(self.fd, b"q")
+        deadline = time.monotonic() + timeout_s
+        while self.status is None and time.monotonic() < deadline:
+            self.read_until([b"\0never"], 0.1)  # drain the screen so the child never blocks
+            done, raw = os.waitpid(self.pid, os.WNOHANG)
+            self.status = os.waitstatus_to_exitcode(raw) if done else None
+        return self.status
+
+    def __enter__(self) -> KvtopTerminal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.status is None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
 # ------------------------------------------------------------------------------------------
 # Roles
 # ------------------------------------------------------------------------------------------

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
-import pty
-import select
 import signal
-import struct
-import sys
-import termios
-import time
 
 import pytest
 
-from _procs import ENV, Proc, kvctl, run_module, unique_name
+from _procs import KvtopTerminal, Proc, kvctl, run_module, unique_name
 from kvcached.budget import delete_budget, read_budget
 from kvcached.sizes import format_bytes, parse_size
 from kvcached.errors import KVCachedError
@@ -225,43 +217,13 @@ def test_kvtop_once_renders_every_instance(unchanged_instance):
     assert "|" in limited  # 2 GiB limit of 4 GiB capacity
 
 
-def _read_until(fd: int, needle: bytes, timeout_s: float) -> bytes:
-    screen, deadline = b"", time.monotonic() + timeout_s
-    while needle not in screen and time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.1)
-        if ready:
-            try:
-                screen += os.read(fd, 65536)
-            except OSError:  # the child closed the terminal
-                break
-    return screen
-
-
 def test_kvtop_in_a_terminal_follows_resize_and_quits_on_q(unchanged_instance):
     name, _ = unchanged_instance
-    pid, fd = pty.fork()
-    if pid == 0:  # child: kvtop on the pseudo-terminal
-        os.execve(sys.executable, [sys.executable, "-m", "kvcached.cli.kvtop", "--interval",
-                                   "0.1"], {**ENV, "TERM": "xterm"})
-    try:
-        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
-        screen = _read_until(fd, name.encode(), 20)
-        assert name.encode() in screen
-        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 20, 90, 0, 0))  # SIGWINCH
-        screen = _read_until(fd, name.encode(), 20)
-        assert name.encode() in screen  # redrawn after the resize
-        os.write(fd, b"q")
-        status, deadline = None, time.monotonic() + 20
-        while status is None and time.monotonic() < deadline:
-            _read_until(fd, b"\0never", 0.1)  # drain the screen so the child never blocks
-            done, raw = os.waitpid(pid, os.WNOHANG)
-            status = os.waitstatus_to_exitcode(raw) if done else None
-    finally:
-        if status is None:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
-    assert status == 0
+    with KvtopTerminal(40, 160) as top:
+        assert name.encode() in top.read_until([name.encode()], 20)
+        top.resize(20, 90)
+        assert name.encode() in top.read_until([name.encode()], 20)  # redrawn after the resize
+        assert top.quit(20) == 0
 
 
 def test_kvtop_refuses_a_pipe_without_once():

@@ -11,18 +11,14 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import pty
 import select
-import signal
-import struct
 import subprocess
 import sys
-import termios
 import time
 
 import pytest
 
-from _procs import ENV, kvctl, unique_name
+from _procs import ENV, KvtopTerminal, kvctl, unique_name
 from kvcached import budget as kb
 from kvcached.budget import delete_budget, read_budget
 from kvcached.errors import KVCachedError
@@ -399,42 +395,13 @@ def test_segment_shows_applied_when_the_limit_is_met_while_the_watcher_answers()
         shutdown_kvcached()
 
 
-def _read_until(fd: int, needles: list[bytes], timeout_s: float) -> bytes:
-    screen, deadline = b"", time.monotonic() + timeout_s
-    while not all(n in screen for n in needles) and time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.1)
-        if ready:
-            try:
-                screen += os.read(fd, 65536)
-            except OSError:
-                break
-    return screen
-
-
 def test_kvtop_in_a_terminal_shows_a_live_manager(managers):
     name = unique_name("top")
     m = managers(name, "--blocks", "1024")
     assert m.ask(f"alloc {3 * m.info['blocks_per_page']}")["ok"]
     used = f"used {3 * m.info['page_bytes'] // 1024}.00 KiB".encode()
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execve(sys.executable, [sys.executable, "-m", "kvcached.cli.kvtop", "--interval", "0.1"],
-                  {**ENV, "TERM": "xterm"})
-    status = None
-    try:
-        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 60, 200, 0, 0))
-        screen = _read_until(fd, [name.encode(), used], WAIT_S)
+    with KvtopTerminal(60, 200) as top:
+        screen = top.read_until([name.encode(), used], WAIT_S)
         assert name.encode() in screen and used in screen, screen[-2000:]
-        os.write(fd, b"q")
-        deadline = time.monotonic() + WAIT_S
-        while status is None and time.monotonic() < deadline:
-            _read_until(fd, [b"\0never"], 0.1)
-            done, raw = os.waitpid(pid, os.WNOHANG)
-            status = os.waitstatus_to_exitcode(raw) if done else None
-    finally:
-        if status is None:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        os.close(fd)
-    assert status == 0
+        assert top.quit(WAIT_S) == 0
     assert name in {s.name for s in list_segments()}
