@@ -1,0 +1,1 @@
+"""Paged attention over kvcached tensors: write K/V into blocks, attend through block tables."""

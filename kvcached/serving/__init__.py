@@ -1,0 +1,1 @@
+"""A continuous-batching loop that runs transformers causal LMs over a kvcached KV cache."""
