@@ -13,6 +13,12 @@ class KVCachedConfigError(KVCachedError):
     """A setting or constructor argument is invalid; the message names the value that would work."""
 
 
+class KVCachedClosedError(KVCachedError):
+    """The object was closed (``close()``, ``shutdown_kvcached()``) or was inherited by a forked
+    child; it touches no memory any more. The message names what to make instead. Nothing was
+    changed."""
+
+
 class KVCachePoolExhausted(ValueError):
     """The request can never be satisfied by this pool (more blocks than it can ever hold)."""
 
@@ -45,6 +51,7 @@ class BlockStateError(KVCachedError, ValueError):
 __all__ = [
     "KVCachedError",
     "KVCachedConfigError",
+    "KVCachedClosedError",
     "KVCachePoolExhausted",
     "DriverUnavailableError",
     "DriverError",
