@@ -7,6 +7,7 @@ the result; ``reload_settings()`` reads it again (tests, or after ``shutdown_kvc
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,8 +26,13 @@ class Setting:
     doc: str
 
 
+_INT_RE = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
 def _int_in(lo: int, hi: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
+        if not _INT_RE.fullmatch(text):
+            raise ValueError(f"must be a whole number in [{lo}, {hi}]")
         value = int(text)
         if not lo <= value <= hi:
             raise ValueError(f"must be in [{lo}, {hi}]")
@@ -37,8 +43,11 @@ def _int_in(lo: int, hi: int) -> Callable[[str], int]:
 
 def _float_in(lo: float, hi: float) -> Callable[[str], float]:
     def parse(text: str) -> float:
-        value = float(text)
-        if not lo <= value <= hi:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"must be a number of seconds in [{lo}, {hi}]") from None
+        if not lo <= value <= hi:              # NaN fails this too
             raise ValueError(f"must be in [{lo}, {hi}]")
         return value
 
@@ -68,10 +77,19 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
+MAX_NAME_BYTES = 200        # what a segment name may take (mem_info_tracker.MAX_NAME_BYTES)
+
+
 def _name(text: str) -> str:
     value = text.strip()
-    if not value or "/" in value or len(value) > 200:
-        raise ValueError("must be a non-empty name without '/' of at most 200 characters")
+    try:
+        encoded = value.encode()
+    except UnicodeEncodeError:      # os.environ keeps undecodable bytes as lone surrogates
+        raise ValueError("is not valid UTF-8; use letters, digits, '_', '-' or '.'") from None
+    if (not value or value in (".", "..") or "/" in value or any(ord(c) < 0x20 or c == "\x7f" for c in value)
+            or len(encoded) > MAX_NAME_BYTES):
+        raise ValueError(f"must be a non-empty name of at most {MAX_NAME_BYTES} UTF-8 bytes, without '/' or "
+                         f"control characters; use letters, digits, '_', '-' or '.'")
     return value
 
 

@@ -1,0 +1,158 @@
+"""kvcached.config: every KVCACHED_* setting, read from a real environment, good and bad values.
+
+A bad value raises KVCachedConfigError naming the variable, the value and what is accepted, and
+leaves the cached settings as they were.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcached import config
+from kvcached.errors import KVCachedConfigError
+
+# name -> (good values as typed, what each parses to), bad values
+CASES = {
+    "KVCACHED_PAGE_SIZE_MB": ([("2", 2), (" 64 ", 64), ("1", 1), ("1024", 1024), ("+4", 4)],
+                              ["0", "-2", "1025", "2.0", "2M", "", "x", "1_0", "٣", "nan"]),
+    "KVCACHED_MIN_RESERVED_PAGES": ([("0", 0), ("5", 5), ("10", 10)],
+                                    ["-1", str((1 << 20) + 1), "1.5", "five", ""]),
+    "KVCACHED_MAX_RESERVED_PAGES": ([("10", 10), ("20", 20), (str(1 << 20), 1 << 20)],
+                                    ["-1", str((1 << 20) + 1), "1e3", "ten", ""]),
+    "KVCACHED_LAYOUT": ([("auto", "auto"), ("per_layer", "per_layer"), (" Interleaved ", "interleaved"),
+                         ("PAGE_GROUPED", "page_grouped")],
+                        ["", "perlayer", "dense", "per-layer"]),
+    "KVCACHED_ZERO_PAGE": ([("1", True), ("true", True), ("Yes", True), ("on", True), ("0", False),
+                            ("false", False), ("NO", False), ("off", False), ("", False)],
+                           ["2", "y", "enabled", "-1"]),
+    "KVCACHED_IDLE_TRIM_S": ([("0", 0.0), ("30", 30.0), ("0.5", 0.5), ("86400", 86400.0), ("1e2", 100.0)],
+                             ["-1", "86401", "nan", "inf", "-inf", "30s", ""]),
+    "KVCACHED_TRACKER": ([("1", True), ("0", False), ("on", True)], ["maybe", "10"]),
+    "KVCACHED_IPC_NAME": ([("serve", "serve"), (" a.b-c_1 ", "a.b-c_1"), ("é" * 100, "é" * 100)],
+                          ["", "  ", "a/b", ".", "..", "a\nb", "a\x7fb", "x" * 201, "é" * 101,
+                           "bad\udcffutf8"]),
+    "KVCACHED_GLOBAL_BUDGET": ([("gpu0", "gpu0")], ["", "a/b", "bad\udcff", "y" * 201]),
+    "KVCACHED_GLOBAL_BUDGET_BYTES": ([("4096", 4096), ("512M", 512 << 20), ("1.5G", 3 << 29), ("0", 0)],
+                                     ["-1G", "10%", "1.5X", "G", ""]),
+    "KVCACHED_LOG_LEVEL": ([("debug", "DEBUG"), ("INFO", "INFO"), (" warning ", "WARNING"),
+                            ("critical", "CRITICAL")],
+                           ["", "verbose", "WARN", "10"]),
+    "KVCACHED_DEBUG_CHECKS": ([("1", True), ("off", False)], ["2", "debug"]),
+}
+
+FIELDS = dict(zip((s.name for s in config.SETTINGS), config.Settings.__dataclass_fields__))
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """A clean KVCACHED_* environment; the settings are read again afterwards."""
+    for name in [n for n in os.environ if n.startswith("KVCACHED_")]:
+        monkeypatch.delenv(name)
+    config.reload_settings()
+    yield monkeypatch
+    monkeypatch.undo()
+    config.reload_settings()
+
+
+def test_every_setting_is_tested():
+    assert set(CASES) == {s.name for s in config.SETTINGS}
+    assert len(FIELDS) == len(config.SETTINGS) == len(config.Settings.__dataclass_fields__)
+
+
+def test_defaults(env):
+    s = config.reload_settings()
+    for setting in config.SETTINGS:
+        assert getattr(s, FIELDS[setting.name]) == setting.default, setting.name
+    assert config.settings() is s                     # read once, cached
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_good_values(env, name):
+    for text, expected in CASES[name][0]:
+        env.setenv(name, text)
+        if name == "KVCACHED_MIN_RESERVED_PAGES":
+            env.setenv("KVCACHED_MAX_RESERVED_PAGES", str(1 << 20))
+        got = getattr(config.reload_settings(), FIELDS[name])
+        assert got == expected and type(got) is type(expected), (name, text, got)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_values_name_the_setting(env, name):
+    good = config.reload_settings()
+    for text in CASES[name][1]:
+        env.setenv(name, text)
+        with pytest.raises(KVCachedConfigError) as info:
+            config.reload_settings()
+        message = str(info.value)
+        assert name in message and "invalid" in message and "Default" in message, message
+        env.delenv(name)
+        assert config.reload_settings() == good
+
+
+def test_invalid_utf8_from_the_real_environment(env):
+    """os.environ holds undecodable bytes as lone surrogates; the setting refuses them."""
+    if not hasattr(os, "environb"):
+        pytest.skip("no bytes environment on this platform")
+    os.environb[b"KVCACHED_IPC_NAME"] = b"pool\xff"
+    try:
+        assert os.environ["KVCACHED_IPC_NAME"] == "pool\udcff"
+        with pytest.raises(KVCachedConfigError, match="KVCACHED_IPC_NAME.*UTF-8"):
+            config.reload_settings()
+    finally:
+        del os.environb[b"KVCACHED_IPC_NAME"]
+
+
+@pytest.mark.parametrize("lo, hi", [(6, 5), (11, 10), (1 << 20, 0)])
+def test_min_above_max(env, lo, hi):
+    env.setenv("KVCACHED_MIN_RESERVED_PAGES", str(lo))
+    env.setenv("KVCACHED_MAX_RESERVED_PAGES", str(hi))
+    with pytest.raises(KVCachedConfigError, match=f"KVCACHED_MIN_RESERVED_PAGES={lo} exceeds .*={hi}"):
+        config.reload_settings()
+
+
+def test_min_default_above_a_low_max(env):
+    env.setenv("KVCACHED_MAX_RESERVED_PAGES", "2")      # default minimum 5 is above it
+    with pytest.raises(KVCachedConfigError, match="at most 2"):
+        config.reload_settings()
+    env.setenv("KVCACHED_MIN_RESERVED_PAGES", "2")
+    s = config.reload_settings()
+    assert (s.min_reserved_pages, s.max_reserved_pages) == (2, 2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lo=st.integers(0, 1 << 20), hi=st.integers(0, 1 << 20))
+def test_pool_bounds_random(lo, hi):
+    environ = {"KVCACHED_MIN_RESERVED_PAGES": str(lo), "KVCACHED_MAX_RESERVED_PAGES": str(hi)}
+    if lo > hi:
+        with pytest.raises(KVCachedConfigError):
+            config._read(environ)
+    else:
+        s = config._read(environ)
+        assert (s.min_reserved_pages, s.max_reserved_pages) == (lo, hi)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.floats(allow_nan=True, allow_infinity=True))
+def test_idle_trim_random(value):
+    environ = {"KVCACHED_IDLE_TRIM_S": repr(value)}
+    if math.isfinite(value) and 0 <= value <= 86400:
+        assert config._read(environ).idle_trim_s == value
+    else:
+        with pytest.raises(KVCachedConfigError, match="KVCACHED_IDLE_TRIM_S"):
+            config._read(environ)
+
+
+def test_nothing_else_reads_the_environment():
+    package = pathlib.Path(config.__file__).parent
+    for path in package.rglob("*"):
+        if path.suffix not in (".py", ".pyx", ".pxi") or path.name == "config.py":
+            continue
+        text = path.read_text()
+        for needle in ("os.environ", "getenv(", "environb"):
+            assert needle not in text, f"{path.relative_to(package)} reads the environment ({needle})"
