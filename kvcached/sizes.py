@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 
 _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
-_SIZE_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(?:([KMGTP])(?:I?B)?|B)?", re.IGNORECASE)
-_PERCENT_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*%")
+_NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"      # ASCII digits only (\d would take "٣")
+_SIZE_RE = re.compile(_NUMBER + r"\s*(?:([KMGTP])(?:I?B)?|B)?", re.IGNORECASE)
+_PERCENT_RE = re.compile(_NUMBER + r"\s*%")
 SIZE_HELP = "bytes (4096), a binary unit (512M, 2G, 1.5G) or a percentage of the capacity (10%)"
 
 
@@ -21,7 +22,10 @@ def parse_size(text: str, capacity_bytes: int | None = None) -> int:
     Raises:
         ValueError: malformed or negative size, a percentage above 100, or a percentage where no
             capacity is known. The message names the text and the accepted forms.
+        TypeError: ``text`` is not a str.
     """
+    if not isinstance(text, str):
+        raise TypeError(f"size {text!r} must be text: {SIZE_HELP}")
     stripped = text.strip()
     if stripped.startswith("-"):
         raise ValueError(f"size {stripped!r} is negative: give a size >= 0 ({SIZE_HELP})")
@@ -58,6 +62,6 @@ def format_bytes(num_bytes: int) -> str:
     value, unit = float(num_bytes), "B"
     for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
         value /= 1024
-        if value < 1024:
+        if round(value, 2) < 1024:            # never "1024.00 KiB": that is 1.00 MiB
             break
     return f"{value:.2f} {unit}"

@@ -1,0 +1,93 @@
+"""kvcached.sizes: sizes as operators type them and as they read them, exact and round-tripping."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcached.sizes import format_bytes, parse_size
+
+UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("0", 0), ("4096", 4096), (" 4096 ", 4096), ("512M", 512 << 20), ("512 MiB", 512 << 20),
+    ("512mb", 512 << 20), ("2G", 2 << 30), ("2GiB", 2 << 30), ("2gb", 2 << 30), ("1.5G", 3 << 29),
+    ("1.5g", 3 << 29), (".5K", 512), ("1.K", 1024), ("7B", 7), ("7 b", 7), ("1T", 1 << 40), ("1P", 1 << 50),
+    ("0.0001K", 0), ("1.0009K", 1024),                # rounded down to whole bytes
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text, capacity, expected", [
+    ("10%", 1000, 100), ("100%", 4096, 4096), ("0%", 4096, 0), ("12.5 %", 800, 100), ("33.3%", 10, 3),
+])
+def test_parse_percentage(text, capacity, expected):
+    assert parse_size(text, capacity) == expected
+
+
+@pytest.mark.parametrize("text, match", [
+    ("-1", "negative"), ("-1G", "negative"), (" -0", "negative"), ("", "malformed"), ("G", "malformed"),
+    ("1.5X", "malformed"), ("1 2", "malformed"), ("1e3", "malformed"), ("0x10", "malformed"),
+    ("٣G", "malformed"), ("1..5G", "malformed"), ("1GiBB", "malformed"), ("nan", "malformed"),
+    ("inf", "malformed"), ("100.1%", "above 100%"), ("101%", "above 100%"), ("10%", "no capacity"),
+])
+def test_parse_size_refuses(text, match):
+    with pytest.raises(ValueError, match=match) as info:
+        parse_size(text)
+    assert repr(text.strip()) in str(info.value)
+
+
+@pytest.mark.parametrize("value", [None, 4096, 1.5, b"4K"])
+def test_parse_size_wants_text(value):
+    with pytest.raises(TypeError, match="must be text"):
+        parse_size(value)
+
+
+@pytest.mark.parametrize("num_bytes, text", [
+    (-1, "-"), (0, "0 B"), (1023, "1023 B"), (1024, "1.00 KiB"), (1536, "1.50 KiB"), (3 << 29, "1.50 GiB"),
+    (1 << 50, "1.00 PiB"), (1 << 60, "1024.00 PiB"), ((1 << 20) - 1, "1.00 MiB"), ((1 << 30) - 1, "1.00 GiB"),
+])
+def test_format_bytes(num_bytes, text):
+    assert format_bytes(num_bytes) == text
+
+
+@settings(max_examples=500, deadline=None)
+@given(n=st.integers(0, 1 << 62), unit=st.sampled_from(sorted(UNITS)), suffix=st.sampled_from(["", "B", "iB"]),
+       space=st.sampled_from(["", " "]))
+def test_whole_units_are_exact(n, unit, suffix, space):
+    text = f"{n}{space}{unit}{suffix if unit else ('B' if suffix else '')}"
+    assert parse_size(text) == n * 1024 ** UNITS[unit]
+    assert parse_size(text.lower()) == n * 1024 ** UNITS[unit]
+
+
+@settings(max_examples=500, deadline=None)
+@given(whole=st.integers(0, 10**6), fraction=st.text("0123456789", min_size=1, max_size=12),
+       unit=st.sampled_from(sorted(UNITS)))
+def test_decimals_are_exact(whole, fraction, unit):
+    """A decimal is computed as an exact fraction, then rounded down: no float error."""
+    scale = 1024 ** UNITS[unit]
+    got = parse_size(f"{whole}.{fraction}{unit}")
+    assert got == (int(f"{whole}{fraction}") * scale) // 10 ** len(fraction)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(n=st.integers(0, (1 << 60) - 1))
+def test_format_then_parse_round_trip(n):
+    """format_bytes shows three significant figures at least: parsing it back lands within 0.5%."""
+    text = format_bytes(n)
+    assert re.fullmatch(r"\d+ B|\d{1,4}\.\d\d [KMGTP]iB", text), text
+    assert not text.startswith("1024.00") or text.endswith("PiB"), text
+    back = parse_size(text)
+    assert abs(back - n) <= max(1, n // 200 + 1), (n, text, back)
+
+
+@settings(max_examples=300, deadline=None)
+@given(percent=st.integers(0, 100), capacity=st.integers(1, 1 << 50))
+def test_percentages_are_exact(percent, capacity):
+    assert parse_size(f"{percent}%", capacity) == percent * capacity // 100
+    assert parse_size(f"{percent}.0%", capacity) == percent * capacity // 100
