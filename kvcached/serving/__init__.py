@@ -1,1 +1,35 @@
-"""A continuous-batching loop that runs transformers causal LMs over a kvcached KV cache."""
+"""A continuous-batching loop that runs transformers causal LMs over a kvcached KV cache.
+
+- ``build_model(family, preset=, dtype=, device=, seed=, attn_implementation=)``: a Llama, Qwen2
+  or Mistral model from a config with seeded random weights, wired to kvcached's paged attention
+  (``ATTENTION_NAME``, registered with transformers' ``AttentionInterface``).
+- ``ElasticKVCache(config, num_blocks, block_size=, dtype=, device=, kv_layout=, group_id=,
+  pool_name=)``: kvcached tensors + a KVCacheManager (``.manager`` takes limits);
+  ``StaticKVCache(...)``: a torch slab and a free list, the baseline. Both are PagedKVCache.
+- ``ServingLoop(model, cache, max_batch_tokens=, max_running=)``: ``add_request(prompt_ids,
+  max_new_tokens) -> id``, ``step() -> finished Requests``, ``run_until_done() -> {id: tokens}``,
+  ``has_work()``, ``stats`` (LoopStats: running, waiting, finished, preemptions,
+  generated_tokens, tokens_per_s, ...).
+"""
+
+from .attention import ATTENTION_NAME, STEP_KWARG, StepMetadata
+from .cache import ElasticKVCache, PagedKVCache, StaticKVCache, kv_geometry
+from .loop import LoopStats, Request, ServingLoop
+from .model import FAMILIES, PRESETS, build_model, model_config
+
+__all__ = [
+           "ATTENTION_NAME",
+           "FAMILIES",
+           "PRESETS",
+           "STEP_KWARG",
+           "ElasticKVCache",
+           "LoopStats",
+           "PagedKVCache",
+           "Request",
+           "ServingLoop",
+           "StaticKVCache",
+           "StepMetadata",
+           "build_model",
+           "kv_geometry",
+           "model_config",
+]

@@ -1,0 +1,128 @@
+"""Paged KV caches the serving loop runs over: kvcached's elastic tensors, or a static torch slab.
+
+Both hold, per layer, a K and a V tensor of blocks (``[N, block_size, KVH, D]`` for NHD,
+``[N, KVH, block_size, D]`` for HND) and hand out block ids with ``alloc(n) -> list | None`` and
+``free(ids)``. ElasticKVCache is ``alloc_kv_cache`` + a ``KVCacheManager`` (pages mapped as
+blocks are handed out; limits and a global budget make alloc return None); StaticKVCache is one
+``torch.zeros`` per layer and a free list, the baseline every engine without kvcached has.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcached.checks import as_int
+
+KV_LAYOUTS = ("NHD", "HND")
+
+
+def kv_geometry(config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a transformers decoder config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_key_value_heads, head_dim
+
+
+def _layer_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, kv_layout: str) -> tuple:
+    if kv_layout == "HND":
+        return (2, num_blocks, kv_heads, block_size, head_dim)
+    return (2, num_blocks, block_size, kv_heads, head_dim)
+
+
+class PagedKVCache:
+    """What the serving loop needs of a KV cache (see the module docstring)."""
+
+    def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, kv_layout: str):
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={kv_layout!r} is unknown; use 'NHD' or 'HND'")
+        self.num_blocks = as_int(num_blocks, "num_blocks", minimum=1, error=ValueError)
+        self.block_size = as_int(block_size, "block_size", minimum=1, error=ValueError)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(config)
+        self.dtype = dtype
+        self.kv_layout = kv_layout
+        self.kv: list[torch.Tensor] = []    # per layer, [2, N, ...]: kv[l][0] is K, kv[l][1] is V
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K cache, V cache) of one layer."""
+        kv = self.kv[index]
+        return kv[0], kv[1]
+
+    @property
+    def cell_bytes(self) -> int:
+        """Bytes one token takes in one layer's K (or V) buffer."""
+        return self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def alloc(self, n: int) -> list[int] | None:
+        raise NotImplementedError
+
+    def free(self, ids: list[int]) -> None:
+        raise NotImplementedError
+
+    def mapped_bytes(self) -> int:
+        """Device memory the cache holds now."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Give the memory back (the tensors must not be used afterwards)."""
+
+
+class StaticKVCache(PagedKVCache):
+    """One preallocated tensor per layer and a free list of block ids: the comparison baseline."""
+
+    def __init__(self, config, num_blocks: int, *, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                 device="cpu", kv_layout: str = "NHD"):
+        super().__init__(config, num_blocks, block_size, dtype, kv_layout)
+        shape = _layer_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, kv_layout)
+        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
+        self._free = list(range(self.num_blocks - 1, -1, -1))     # pop() hands out low ids first
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        ids = self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n:]
+        return ids[::-1]
+
+    def free(self, ids: list[int]) -> None:
+        self._free.extend(reversed(ids))
+
+    def available_blocks(self) -> int:
+        return len(self._free)
+
+    def mapped_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kv)
+
+    def close(self) -> None:
+        self.kv = []
+        self._free = []
+
+
+class ElasticKVCache(PagedKVCache):
+    """kvcached's tensors (``alloc_kv_cache``) and the group's ``KVCacheManager``.
+
+    Pages are mapped as blocks are handed out and unmapped as they empty; ``manager`` takes
+    memory limits, and a global budget (KVCACHED_GLOBAL_BUDGET) is honoured by alloc returning
+    None. Call ``kvcached.init_kvcached`` first to pick the device or page size; otherwise the
+    defaults apply. With the page_grouped layout the block ids are sparse (kvcached.layout).
+    """
+
+    def __init__(self, config, num_blocks: int, *, block_size: int = 16, dtype: torch.dtype = torch.float32,
+                 device="cpu", kv_layout: str = "NHD", group_id: int = 0, pool_name: str | None = None):
+        from kvcached import KVCacheManager, alloc_kv_cache
+
+        super().__init__(config, num_blocks, block_size, dtype, kv_layout)
+        shape = _layer_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, kv_layout)
+        self.kv = alloc_kv_cache(shape, self.block_size, dtype, str(device), self.num_layers, kv_layout=kv_layout,
+                                 group_id=group_id)
+        self.manager = KVCacheManager(self.num_blocks, self.block_size, self.cell_bytes, self.num_layers,
+                                      group_id=group_id, pool_name=pool_name)
+        self.alloc = self.manager.alloc          # one C call per alloc/free (Note [Hot path binding])
+        self.free = self.manager.free
+
+    def available_blocks(self) -> int:
+        return self.manager.available_size()
+
+    def mapped_bytes(self) -> int:
+        return int(self.manager.get_mapped_memory_size())
+
+    def close(self) -> None:
+        self.manager.close()
