@@ -1,0 +1,208 @@
+"""paged_attention and paged_decode: attention of a batch's queries over one layer's paged K/V.
+
+Dispatch and the torch implementation: decode batches on CUDA go to the Triton kernel
+(triton_decode); everything else runs here, with torch ops over the gathered blocks (prefill
+through ``scaled_dot_product_attention``). Only blocks a request's positions need are gathered:
+entries of a block table past ``ceil(seq_len / block_size)``, and blocks wholly before a sliding
+window, are never read, and neither are slots past ``seq_len``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ._args import CacheGeometry, cache_geometry, check_index, check_query_heads, check_scale, check_window
+
+logger = logging.getLogger("kvcached")
+_triton_missing_logged = False
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
+                 kv_layout: str = "NHD") -> torch.Tensor:
+    """Attention of one query token per sequence, ``query [B, H, D]`` -> ``[B, H, D]``.
+
+    ``block_tables [B, max_blocks]`` int32 lists each sequence's blocks in order; ``seq_lens [B]``
+    counts its cached tokens, the current one included (written with write_kv first), at least 1.
+    H is a multiple of the caches' KV heads (GQA: query head h reads KV head h // (H / KVH)).
+    ``sliding_window`` w: the query sees only the last w positions. The Triton kernel on CUDA,
+    torch elsewhere. O(sum(seq_lens) * H * D).
+
+    Raises TypeError/ValueError for shapes, dtypes or devices that do not match (and, on CPU,
+    seq_lens outside [1, max_blocks * block_size]).
+    """
+    geometry = cache_geometry(k_cache, v_cache, kv_layout)
+    window = check_window(sliding_window)
+    scale = check_scale(scale)
+    _check_query(query, geometry, k_cache)
+    batch = query.shape[0]
+    _check_tables(block_tables, seq_lens, batch, k_cache.device)
+    return _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geometry, kv_layout)
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, *,
+                    sliding_window: int | None = None, kv_layout: str = "NHD") -> torch.Tensor:
+    """Causal attention of a packed batch, ``query [T, H, D]`` -> ``[T, H, D]``.
+
+    Request r's queries are ``query[query_start_loc[r]:query_start_loc[r+1]]`` (at least one),
+    the last ``q_len`` positions of its ``seq_lens[r]`` cached tokens (written with write_kv
+    first). A query at position p attends to positions <= p, and > p - sliding_window if given.
+    Decode-only batches (T == B: every q_len is 1) take paged_decode's path, the Triton kernel on
+    CUDA; others torch SDPA per request. O(sum(q_len * seq_len) * H * D).
+
+    Raises TypeError/ValueError as paged_decode, and for a query_start_loc that does not fit
+    (contents checked on CPU only).
+    """
+    geometry = cache_geometry(k_cache, v_cache, kv_layout)
+    window = check_window(sliding_window)
+    scale = check_scale(scale)
+    _check_query(query, geometry, k_cache)
+    batch = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 else -1
+    _check_tables(block_tables, seq_lens, batch, k_cache.device)
+    check_index("query_start_loc", query_start_loc, (batch + 1,), k_cache.device)
+    tokens = query.shape[0]
+    starts = None
+    if not query.is_cuda or tokens != batch:
+        starts = query_start_loc.tolist()
+        lens = [b - a for a, b in zip(starts, starts[1:])]
+        if starts[0] != 0 or starts[-1] != tokens or min(lens, default=1) < 1:
+            raise ValueError(f"query_start_loc={starts} must rise from 0 to the {tokens} query tokens, "
+                             f"each request having at least one")
+        lens_cached = seq_lens.tolist()
+        short = [r for r in range(batch) if lens_cached[r] < lens[r]]
+        if short:
+            r = short[0]
+            raise ValueError(f"request {r} has {lens[r]} queries but seq_lens[{r}]={lens_cached[r]}; seq_lens "
+                             f"counts the cached tokens including this step's")
+    if tokens == batch:
+        return _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geometry, kv_layout)
+    return _prefill(query, k_cache, v_cache, block_tables, seq_lens, starts, scale, window, geometry, kv_layout)
+
+
+# -- checks ----------------------------------------------------------------------------------------
+
+def _check_query(query: torch.Tensor, geometry: CacheGeometry, cache: torch.Tensor) -> None:
+    if not isinstance(query, torch.Tensor) or query.dim() != 3 or query.shape[2] != geometry.head_dim:
+        shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise ValueError(f"query has shape {shape}; it must be [tokens, heads, {geometry.head_dim}]")
+    if query.dtype != cache.dtype or query.device != cache.device:
+        raise ValueError(f"query is {query.dtype} on {query.device}, the cache {cache.dtype} on {cache.device}; "
+                         f"convert it with .to(cache)")
+    check_query_heads(query, geometry)
+
+
+def _check_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, batch: int, device: torch.device) -> None:
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2:
+        shape = tuple(block_tables.shape) if isinstance(block_tables, torch.Tensor) else type(block_tables).__name__
+        raise ValueError(f"block_tables has shape {shape}; it must be [batch, max_blocks]")
+    check_index("block_tables", block_tables, (batch, block_tables.shape[1]), device)
+    check_index("seq_lens", seq_lens, (batch,), device)
+
+
+def _check_lengths(seq_lens: list[int], capacity: int) -> None:
+    bad = [(r, n) for r, n in enumerate(seq_lens) if not 1 <= n <= capacity]
+    if bad:
+        r, n = bad[0]
+        raise ValueError(f"seq_lens[{r}]={n} must be in [1, {capacity}] (max_blocks * block_size of the "
+                         f"block table); it counts the cached tokens, this step's included")
+
+
+# -- decode ----------------------------------------------------------------------------------------
+
+def _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geometry, kv_layout):
+    if query.is_cuda and _triton_available():
+        from .triton_decode import paged_decode_triton
+
+        return paged_decode_triton(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geometry)
+    return decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geometry, kv_layout)
+
+
+def _triton_available() -> bool:
+    global _triton_missing_logged
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        if not _triton_missing_logged:
+            logger.warning("triton is not installed: paged decode on CUDA runs the (slower) torch path")
+            _triton_missing_logged = True
+        return False
+    return True
+
+
+def _gather(cache: torch.Tensor, ids: torch.Tensor, kv_layout: str) -> torch.Tensor:
+    """Blocks ``ids [..., n]`` of a cache as tokens ``[..., n * block_size, KVH, D]``."""
+    blocks = cache[ids]
+    if kv_layout == "HND":
+        blocks = blocks.transpose(-3, -2)
+    return blocks.flatten(-4, -3)
+
+
+def decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geometry: CacheGeometry,
+                 kv_layout: str) -> torch.Tensor:
+    """The torch decode path (any device): the needed blocks of every sequence gathered into a
+    padded batch, masked, fp32 softmax. Arguments as paged_decode, already checked."""
+    batch, heads, head_dim = query.shape
+    if batch == 0:
+        return torch.empty_like(query)
+    bs, kv_heads = geometry.block_size, geometry.num_kv_heads
+    lens = seq_lens.long()
+    if not query.is_cuda:
+        _check_lengths(lens.tolist(), block_tables.shape[1] * bs)
+    first_token = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
+    first_block = first_token // bs
+    num_blocks = (lens - 1) // bs - first_block + 1
+    width = int(num_blocks.max())
+    cols = torch.arange(width, device=query.device)
+    used = cols < num_blocks[:, None]
+    # Unused columns repeat the first needed block, so that nothing outside the table is read.
+    columns = torch.where(used, first_block[:, None] + cols, first_block[:, None])
+    ids = block_tables.long().gather(1, columns)
+    keys = _gather(k_cache, ids, kv_layout)                                 # [B, S, KVH, D]
+    values = _gather(v_cache, ids, kv_layout)
+    positions = first_block[:, None] * bs + torch.arange(width * bs, device=query.device)
+    valid = (positions < lens[:, None]) & (positions >= first_token[:, None])   # [B, S]
+    q = query.float().view(batch, kv_heads, heads // kv_heads, 1, head_dim)
+    k = keys.float().permute(0, 2, 3, 1)[:, :, None]                       # [B, KVH, 1, D, S]
+    scores = (q @ k).squeeze(-2) * scale                                    # [B, KVH, G, S]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # Slots past seq_len hold whatever was there (NaN included): zero them, 0 * NaN would leak.
+    v = torch.where(valid[:, :, None, None], values.float(), 0.0).permute(0, 2, 1, 3)   # [B, KVH, S, D]
+    out = probs @ v                                                         # [B, KVH, G, D]
+    return out.reshape(batch, heads, head_dim).to(query.dtype)
+
+
+# -- prefill ---------------------------------------------------------------------------------------
+
+def _prefill(query, k_cache, v_cache, block_tables, seq_lens, starts, scale, window, geometry: CacheGeometry,
+             kv_layout: str) -> torch.Tensor:
+    """Per request: gather the blocks its queries see, SDPA with a causal (and window) mask."""
+    bs = geometry.block_size
+    group = query.shape[1] // geometry.num_kv_heads
+    lens = seq_lens.tolist()
+    _check_lengths(lens, block_tables.shape[1] * bs)
+    out = torch.empty_like(query)
+    for r, seq_len in enumerate(lens):
+        q = query[starts[r]:starts[r + 1]]                                  # [q_len, H, D]
+        q_len = q.shape[0]
+        first_query = seq_len - q_len
+        first_token = max(0, first_query - window + 1) if window is not None else 0
+        first_block, end_block = first_token // bs, (seq_len - 1) // bs + 1
+        ids = block_tables[r, first_block:end_block].long()
+        skip = first_token - first_block * bs
+        keys = _gather(k_cache, ids, kv_layout)[skip:seq_len - first_block * bs]      # [S, KVH, D]
+        values = _gather(v_cache, ids, kv_layout)[skip:seq_len - first_block * bs]
+        q_pos = torch.arange(first_query, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(first_token, seq_len, device=query.device)[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        k = keys.transpose(0, 1).repeat_interleave(group, dim=0)            # [H, S, D]
+        v = values.transpose(0, 1).repeat_interleave(group, dim=0)
+        out[starts[r]:starts[r + 1]] = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k, v, attn_mask=allowed, scale=scale).transpose(0, 1)
+    return out

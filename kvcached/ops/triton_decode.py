@@ -1,0 +1,194 @@
+"""The Triton paged decode kernel: one query token per sequence against its cached K/V.
+
+One program per (sequence, KV head[, split]); the GQA group's queries are padded to at least 16
+rows so that both products are ``tl.dot``; each loop step reads BLOCK_N tokens (4 blocks of 16
+at block_size 16) through the block table, pipelined over 3 stages. See Note [Decode kernel shape].
+
+Imported only for CUDA tensors (the CPU torch wheel has no triton), or explicitly under
+``TRITON_INTERPRET=1`` to run the kernel on the CPU in tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._args import CacheGeometry
+
+LOG2_E = 1.4426950408889634
+MAX_SPLITS = 16
+TOKENS_PER_SPLIT_MIN = 512      # a split reads at least this many tokens (else the combine costs more)
+_TILE_BYTES = 16 << 10          # one K (or V) tile of BLOCK_N x D_PAD elements per pipeline stage
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, m_part_ptr, l_part_ptr, o_part_ptr,
+                   scale_log2, window,
+                   sq_seq, sq_head, sq_dim,
+                   sk_block, sk_token, sk_head, sk_dim,
+                   sv_block, sv_token, sv_head, sv_dim,
+                   s_table, so_seq, so_head, so_dim,
+                   GROUP: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    first = 0
+    if USE_WINDOW:
+        first = tl.maximum(seq_len - window, 0)
+    # This split's tokens: whole BLOCK_N chunks of [first rounded down, seq_len).
+    chunk0 = (first // BLOCK_N) * BLOCK_N
+    chunks = tl.cdiv(seq_len - chunk0, BLOCK_N)
+    per_split = tl.cdiv(chunks, NUM_SPLITS)
+    lo = chunk0 + split * per_split * BLOCK_N
+    hi = tl.minimum(lo + per_split * BLOCK_N, seq_len)
+
+    rows = tl.arange(0, Q_ROWS)
+    dims = tl.arange(0, D_PAD)
+    row_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    heads = kv_head * GROUP + rows
+    q = tl.load(q_ptr + seq * sq_seq + heads[:, None] * sq_head + dims[None, :] * sq_dim,
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    m_i = tl.full([Q_ROWS], float("-inf"), tl.float32)
+    l_i = tl.zeros([Q_ROWS], tl.float32)
+    acc = tl.zeros([Q_ROWS, D_PAD], tl.float32)
+    table = table_ptr + seq * s_table
+    for start in range(lo, hi, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        valid = (tokens < hi) & (tokens >= first)
+        # Masked lanes load nothing: no block outside the table, no slot past seq_len is read.
+        block = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        slot = tokens % BLOCK_SIZE
+        load_ok = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + block[:, None] * sk_block + slot[:, None] * sk_token + kv_head * sk_head
+                    + dims[None, :] * sk_dim, mask=load_ok, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + block[:, None] * sv_block + slot[:, None] * sv_token + kv_head * sv_head
+                    + dims[None, :] * sv_dim, mask=load_ok, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    store_ok = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq * so_seq + heads[:, None] * so_head + dims[None, :] * so_dim,
+                 out.to(out_ptr.dtype.element_ty), mask=store_ok)
+    else:
+        # Partials [seq, head, split(, dim)], contiguous; an empty split leaves m=-inf, l=0, acc=0.
+        part = (seq * GROUP * tl.num_programs(1) + heads) * NUM_SPLITS + split
+        tl.store(m_part_ptr + part, m_i, mask=row_ok)
+        tl.store(l_part_ptr + part, l_i, mask=row_ok)
+        tl.store(o_part_ptr + part[:, None] * D_PAD + dims[None, :], acc, mask=store_ok)
+
+
+@triton.jit
+def _combine_kernel(m_part_ptr, l_part_ptr, o_part_ptr, out_ptr, so_seq, so_head, so_dim, num_heads,
+                    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    D_PAD: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, D_PAD)
+    split_ok = splits < NUM_SPLITS
+    part = (seq * num_heads + head) * NUM_SPLITS + splits
+    m = tl.load(m_part_ptr + part, mask=split_ok, other=float("-inf"))
+    l_part = tl.load(l_part_ptr + part, mask=split_ok, other=0.0)
+    o = tl.load(o_part_ptr + part[:, None] * D_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
+    m_max = tl.max(m, 0)
+    weight = tl.where(m > float("-inf"), tl.exp2(m - m_max), 0.0)
+    total = tl.sum(weight * l_part, 0)
+    out = tl.sum(weight[:, None] * o, 0) / total
+    tl.store(out_ptr + seq * so_seq + head * so_head + dims * so_dim, out.to(out_ptr.dtype.element_ty),
+             mask=dims < HEAD_DIM)
+
+
+def device_of(tensor: torch.Tensor):
+    """The CUDA device context of a launch (none for CPU tensors under the interpreter)."""
+    return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def _num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
+    """Splits of each sequence so that about two programs per multiprocessor run, no more than the
+    table's capacity allows at TOKENS_PER_SPLIT_MIN tokens a split. Host-side only (no sync)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    programs = batch * kv_heads
+    wanted = -(-2 * _sm_counts[index] // programs)
+    return max(1, min(wanted, MAX_SPLITS, max_tokens // TOKENS_PER_SPLIT_MIN))
+
+
+def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                        sliding_window: int | None, geometry: CacheGeometry, *,
+                        num_splits: int | None = None) -> torch.Tensor:
+    """Launch the decode kernel; arguments already checked by paged_decode. ``num_splits`` None
+    picks one from the batch shape (tests force it)."""
+    batch, heads, head_dim = query.shape
+    group = heads // geometry.num_kv_heads
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    block_n = max(16, min(64, _TILE_BYTES // (d_pad * k_cache.element_size())))
+    splits = num_splits or _num_splits(batch, geometry.num_kv_heads, block_tables.shape[1] * geometry.block_size,
+                                       query.device)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if batch == 0:
+        return out
+    if splits > 1:
+        m_part = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
+        l_part = torch.empty_like(m_part)
+        o_part = torch.empty((batch, heads, splits, d_pad), dtype=torch.float32, device=query.device)
+    else:
+        m_part = l_part = o_part = out
+    stages = {"num_warps": 4, "num_stages": 3} if query.is_cuda else {}
+    with device_of(query):
+        _decode_kernel[(batch, geometry.num_kv_heads, splits)](
+            query, k_cache, v_cache, block_tables, seq_lens, out, m_part, l_part, o_part,
+            scale * LOG2_E, sliding_window or 0,
+            *query.stride(), *geometry.k_strides, *geometry.v_strides, block_tables.stride(0), *out.stride(),
+            GROUP=group, Q_ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
+            BLOCK_SIZE=geometry.block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
+            USE_WINDOW=sliding_window is not None,
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **stages)
+        if splits > 1:
+            _combine_kernel[(batch, heads)](
+                m_part, l_part, o_part, out, *out.stride(), heads,
+                NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim, D_PAD=d_pad)
+    return out
+
+
+# Note [Decode kernel shape]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Decode attention reads every cached K/V byte once and does ~2 FLOP per byte: it is bound by
+# memory bandwidth, and the kernel's only job is to keep enough loads in flight. A probe on the
+# H200 (DESIGN.md section 5) reached 4.24 TB/s, 98% of the copy rate, with this shape: one program
+# per (sequence, KV head), so each K/V byte is read by exactly one program and the GQA group's
+# queries share it; the group padded to 16 rows so that q.K^T and p.V are tensor-core dots (a
+# group of 1-8 rows would otherwise be a reduction over registers); BLOCK_N = 64 tokens per step
+# (4 blocks of 16) and 3 pipeline stages, so ~2 steps of loads are in flight while one computes.
+# Every token looks its block up in the table (BLOCK_N int32 loads, served by L1), which makes
+# any block size work and lets a chunk span several blocks; the block id is widened to int64
+# before it is scaled by the block stride (a 78 GiB cache has element offsets past 2^31).
+# Tiles are capped at 16 KiB per stage (BLOCK_N 32 at head_dim 256 or float32) to stay within
+# shared memory with 3 stages. With few (sequence, head) pairs the GPU would idle, so each
+# sequence is split into up to MAX_SPLITS ranges whose partial softmax states (m, l, acc) a
+# second small kernel combines; the split count is taken from the shapes on the host, never from
+# seq_lens (reading them would stall the stream).
