@@ -165,7 +165,7 @@ def decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
     values = _gather(v_cache, ids, kv_layout)
     positions = first_block[:, None] * bs + torch.arange(width * bs, device=query.device)
     valid = (positions < lens[:, None]) & (positions >= first_token[:, None])   # [B, S]
-    q = query.float().view(batch, kv_heads, heads // kv_heads, 1, head_dim)
+    q = query.float().reshape(batch, kv_heads, heads // kv_heads, 1, head_dim)
     k = keys.float().permute(0, 2, 3, 1)[:, :, None]                       # [B, KVH, 1, D, S]
     scores = (q @ k).squeeze(-2) * scale                                    # [B, KVH, G, S]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
