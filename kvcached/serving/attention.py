@@ -15,10 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-try:
-    from kvcached.ops import paged_attention, write_kv
-except ImportError:                     # interim: kvcached.ops is not there yet
-    from ._interim_ops import paged_attention, write_kv
+from kvcached.ops import paged_attention, write_kv
 
 ATTENTION_NAME = "kvcached_paged"
 STEP_KWARG = "kv_step"

@@ -1,0 +1,293 @@
+"""The serving loop (kvcached.serving) against transformers' own generate, on real kvcached memory.
+
+Tiny Llama, Qwen2 and Mistral models (2 layers, hidden 64, fp32, weights drawn with
+initializer_range 0.5 so that a wrong mask, position or block changes the greedy tokens; Mistral
+and Qwen2 with a sliding window shorter than the sequences). The reference is the same weights
+under ``attn_implementation="sdpa"`` with ``generate`` and its dense cache, one prompt at a time.
+Pages are 4 KiB (8 blocks of 4 tokens) so that limits and budgets bite within a few requests.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcached import _core, init_kvcached
+from kvcached.budget import Budget, delete_budget, read_budget, set_budget
+from kvcached.errors import KVCachedError
+from kvcached.serving import (
+    ATTENTION_NAME,
+    ElasticKVCache,
+    ServingLoop,
+    StaticKVCache,
+    build_model,
+    model_config,
+)
+
+from _procs import unique_name
+
+FAMILIES = ("llama", "qwen2", "mistral")
+LAYOUTS = ("per_layer", "interleaved", "page_grouped")
+PAGE_BYTES = 4096
+BLOCK_SIZE = 4
+NUM_BLOCKS = 256
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@functools.lru_cache(maxsize=None)
+def serving_model(family: str):
+    return build_model(family)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_model(family: str):
+    return build_model(family, attn_implementation="sdpa")
+
+
+@functools.lru_cache(maxsize=None)
+def expected(family: str, prompt: tuple, max_new_tokens: int) -> list[int]:
+    """Greedy tokens of transformers' generate with its dense cache (the mask is given: without
+    it generate would hide every token equal to the pad id)."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = reference_model(family).generate(ids, attention_mask=torch.ones_like(ids),
+                                               max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def workload(seed: int, count: int = 6, longest: int = 30, max_new: int = 24) -> list[tuple[int, list[int], int]]:
+    """(arrival step, prompt, max_new_tokens) for `count` requests; arrivals staggered."""
+    rng = random.Random(seed)
+    arrivals = sorted(rng.randrange(12) for _ in range(count))
+    vocab = model_config().vocab_size
+    return [(at, [rng.randrange(vocab) for _ in range(rng.randrange(1, longest))], rng.randrange(1, max_new))
+            for at in arrivals]
+
+
+def serve(loop: ServingLoop, requests, during=None, max_steps: int = 10_000) -> dict[int, list[int]]:
+    """Add each request at its arrival step, step until every one finished; `during(step)` runs
+    before each step. Returns {index in requests: generated tokens}."""
+    ids: dict[int, int] = {}
+    results: dict[int, list[int]] = {}
+    step = 0
+    while len(ids) < len(requests) or loop.has_work():
+        for index, (at, prompt, max_new) in enumerate(requests):
+            if at == step:
+                ids[loop.add_request(prompt, max_new)] = index
+        if during is not None:
+            during(step)
+        for request in loop.step():
+            results[ids[request.id]] = request.generated
+        step += 1
+        assert step < max_steps, f"no progress after {step} steps: {loop.stats}"
+    return results
+
+
+def check_tokens(family: str, requests, results: dict[int, list[int]]) -> None:
+    assert sorted(results) == list(range(len(requests))), "a request was lost"
+    for index, (_, prompt, max_new) in enumerate(requests):
+        assert results[index] == expected(family, tuple(prompt), max_new), f"request {index}, prompt {prompt}"
+
+
+@pytest.fixture
+def elastic(kv_env):
+    """make(layout=, kv_layout=, **env) -> an ElasticKVCache over 4 KiB pages on the host backend."""
+    made: list[ElasticKVCache] = []
+
+    def make(family: str = "llama", layout: str = "interleaved", kv_layout: str = "NHD",
+             num_blocks: int = NUM_BLOCKS, **env) -> ElasticKVCache:
+        kv_env(LAYOUT=layout, MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=1, **env)
+        init_kvcached(device="cpu", page_size_bytes=PAGE_BYTES)
+        cache = ElasticKVCache(serving_model(family).config, num_blocks, block_size=BLOCK_SIZE,
+                               kv_layout=kv_layout)
+        made.append(cache)
+        return cache
+
+    yield make
+    for cache in made:
+        cache.close()
+
+
+# -- identical to generate ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_staggered_batch_matches_generate(elastic, family):
+    """Requests arriving over 12 steps, prompts up to 40 tokens prefilled in chunks of at most
+    16 batch tokens, finishing at different steps: every token as generate's."""
+    requests = workload(seed=FAMILIES.index(family), count=8, longest=40)
+    loop = ServingLoop(serving_model(family), elastic(family), max_batch_tokens=16)
+    check_tokens(family, requests, serve(loop, requests))
+    assert loop.stats.finished == len(requests) and loop.stats.running == loop.stats.waiting == 0
+    assert loop.stats.generated_tokens == sum(n for _, _, n in requests)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_matches_generate(elastic, layout, kv_layout):
+    """Mistral (sliding window) over every kvcached layout and both head orders."""
+    requests = workload(seed=7, count=5)
+    cache = elastic("mistral", layout=layout, kv_layout=kv_layout)
+    assert cache.manager.layout == layout
+    check_tokens("mistral", requests, serve(ServingLoop(serving_model("mistral"), cache), requests))
+    assert cache.manager.stats()["allocated"] == 0
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 1 << 16), max_batch_tokens=st.integers(1, 48), max_running=st.integers(1, 6),
+       block_size=st.sampled_from([1, 3, 4, 16]), num_blocks=st.integers(24, 64))
+def test_static_cache_matches_generate(seed, max_batch_tokens, max_running, block_size, num_blocks):
+    """Any token budget, running cap, block size and cache size (tight ones preempt): every
+    request finishes with generate's tokens, and every block is back in the pool."""
+    requests = workload(seed, count=5, longest=20, max_new=12)
+    num_blocks = max(num_blocks, -(-(20 + 12) // block_size))
+    cache = StaticKVCache(serving_model("llama").config, num_blocks, block_size=block_size)
+    loop = ServingLoop(serving_model("llama"), cache, max_batch_tokens=max_batch_tokens, max_running=max_running)
+    check_tokens("llama", requests, serve(loop, requests))
+    assert cache.available_blocks() == num_blocks
+
+
+# -- preemption: a lowered limit, a budget taken by another holder -----------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_limit_drop_preempts_and_loses_nothing(elastic, family, layout):
+    """8 requests arrive together and generate 30 tokens each; after 6 steps the limit drops to
+    3 pages (room for a request or two, not for all):
+    requests are preempted, recomputed, and still produce generate's tokens."""
+    requests = [(0, prompt, 30) for _, prompt, _ in workload(seed=11 + FAMILIES.index(family), count=8)]
+    cache = elastic(family, layout=layout)
+    loop = ServingLoop(serving_model(family), cache)
+
+    def lower(step: int) -> None:
+        if step == 6:
+            assert cache.manager.get_mapped_memory_size() > 3 * cache.manager.page_bytes
+            cache.manager.set_memory_limit(3 * cache.manager.page_bytes, revision=1)
+
+    check_tokens(family, requests, serve(loop, requests, during=lower))
+    assert loop.stats.preemptions > 0
+    assert cache.manager.get_mapped_memory_size() <= 3 * cache.manager.page_bytes
+
+
+@pytest.fixture
+def budget_name():
+    name = unique_name("serve")
+    yield name
+    try:
+        delete_budget(name, force=True)
+    except KVCachedError:
+        pass
+
+
+def test_budget_taken_by_another_holder_preempts(elastic, budget_name):
+    """A global budget of 8 pages; after 5 steps another holder takes all of it the loop does
+    not hold, and gives it back 30 steps later: the loop preempts meanwhile, never maps more
+    than the budget, and finishes every request with generate's tokens."""
+    cache = elastic("qwen2", GLOBAL_BUDGET=budget_name, GLOBAL_BUDGET_BYTES="1G")
+    page = cache.manager.page_bytes
+    set_budget(budget_name, 8 * page)
+    requests = [(0, prompt, 30) for _, prompt, _ in workload(seed=3, count=8)]
+    loop = ServingLoop(serving_model("qwen2"), cache)
+    other = Budget.open(budget_name)
+    taken = []
+
+    def take(step: int) -> None:
+        assert cache.mapped_bytes() <= 8 * page
+        if step == 5:
+            snap = read_budget(budget_name)
+            taken.append(snap.budget_bytes - snap.held_bytes)
+            assert taken[0] > 0 and other.try_acquire(taken[0])
+        if step == 35:
+            other.release(taken[0])
+
+    try:
+        check_tokens("qwen2", requests, serve(loop, requests, during=take))
+    finally:
+        other.close()
+    assert loop.stats.preemptions > 0
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+def test_bad_requests_are_refused_and_change_nothing():
+    model = serving_model("llama")
+    loop = ServingLoop(model, StaticKVCache(model.config, 8, block_size=4))
+    for prompt, max_new, words in [([], 3, "empty"), ([1, model.config.vocab_size], 3, "prompt token"),
+                                   ([1, -1], 3, "prompt token"), ([1, 2], 0, "max_new_tokens"),
+                                   ([1, 2], True, "max_new_tokens"), ([1] * 30, 3, "exceeds")]:
+        with pytest.raises(ValueError, match=words):
+            loop.add_request(prompt, max_new)
+    assert not loop.has_work() and loop.stats.waiting == 0
+
+
+def test_bad_construction_is_refused():
+    model = serving_model("llama")
+    sdpa = reference_model("llama")
+    with pytest.raises(ValueError, match=ATTENTION_NAME):
+        ServingLoop(sdpa, StaticKVCache(sdpa.config, 8))
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        ServingLoop(model, StaticKVCache(model.config, 8), max_batch_tokens=0)
+    with pytest.raises(ValueError, match="kv_layout"):
+        StaticKVCache(model.config, 8, kv_layout="NDH")
+    with pytest.raises(ValueError, match="num_blocks"):
+        StaticKVCache(model.config, 0)
+    with pytest.raises(ValueError, match="family"):
+        build_model("gpt2")
+    with pytest.raises(ValueError, match="preset"):
+        build_model("llama", preset="huge")
+
+
+def test_stall_is_reported_not_hung(elastic):
+    """A limit below what one request needs: run_until_done raises instead of spinning forever."""
+    cache = elastic("llama")
+    cache.manager.set_memory_limit(0, revision=1)
+    loop = ServingLoop(serving_model("llama"), cache)
+    loop.add_request([1, 2, 3], 4)
+    with pytest.raises(RuntimeError, match="no memory"):
+        loop.run_until_done(stall_timeout_s=0.2)
+
+
+def test_attention_outside_the_loop_is_refused():
+    model = serving_model("llama")
+    with pytest.raises(TypeError, match="kv_step"):
+        model(input_ids=torch.tensor([[1, 2]]), use_cache=False)
+
+
+# -- the benchmark's quick run -----------------------------------------------------------------
+
+def test_bench_serve_quick_runs():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve.py"), "--quick"],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "kvcached" in proc.stdout and "static" in proc.stdout and "handover" in proc.stdout
+
+
+# -- GPU: bf16, kvcached against the same loop over a static cache ------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_core.cuda_unavailable_reason() is not None or not torch.cuda.is_available(),
+                    reason="CUDA is not usable here")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_bf16_elastic_matches_static(kv_env, family):
+    kv_env(LAYOUT="auto")
+    init_kvcached(device="cuda:0")
+    model = build_model(family, dtype=torch.bfloat16, device="cuda")
+    requests = workload(seed=5, count=12, longest=60, max_new=40)
+    static = serve(ServingLoop(model, StaticKVCache(model.config, 512, block_size=16, dtype=torch.bfloat16,
+                                                    device="cuda")), requests)
+    cache = ElasticKVCache(model.config, 512, block_size=16, dtype=torch.bfloat16, device="cuda:0")
+    try:
+        elastic = serve(ServingLoop(model, cache), requests)
+    finally:
+        cache.close()
+    assert elastic == static
