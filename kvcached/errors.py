@@ -13,6 +13,12 @@ class KVCachedConfigError(KVCachedError):
     """A setting or constructor argument is invalid; the message names the value that would work."""
 
 
+class KVCachedArgumentError(KVCachedConfigError, TypeError, ValueError):
+    """An argument of a call is of the wrong type or out of range (a bool or a float where a
+    count is wanted, a negative limit). It is a TypeError and a ValueError too, so that callers
+    written against either keep working. Nothing was changed."""
+
+
 class KVCachedClosedError(KVCachedError):
     """The object was closed (``close()``, ``shutdown_kvcached()``) or was inherited by a forked
     child; it touches no memory any more. The message names what to make instead. Nothing was
@@ -51,6 +57,7 @@ class BlockStateError(KVCachedError, ValueError):
 __all__ = [
     "KVCachedError",
     "KVCachedConfigError",
+    "KVCachedArgumentError",
     "KVCachedClosedError",
     "KVCachePoolExhausted",
     "DriverUnavailableError",

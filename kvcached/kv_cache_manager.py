@@ -2,36 +2,29 @@
 
 Policy lives here, in Python; the per-block work is in the Cython allocators
 (``kvcached._core.BlockAllocator`` over ``PageAllocator``), which are thread-safe by themselves.
-See Note [Hot path binding] and Note [Limits].
+See Note [Hot path binding], Note [Limits] and Note [Manager life cycle].
 """
 
 from __future__ import annotations
 
 import logging
-import operator
+import os
 import threading
+import weakref
 
 from . import config, runtime
-from .errors import KVCachedConfigError
+from .checks import as_int
+from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
 from .mem_info_tracker import NO_LIMIT, MemInfoTracker, classify_limit_request
 
 logger = logging.getLogger("kvcached")
 
 _UNITS = {"bytes": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 PUBLISH_INTERVAL_S = 0.01
-
-
-def _positive(value, name: str, minimum: int = 1) -> int:
-    """value as an int >= minimum; any integer type (numpy's too, as engines pass), never a bool
-    or a float."""
-    try:
-        number = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        number = None
-    if number is None or number < minimum:
-        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise KVCachedConfigError(f"{name}={value!r} must be {kind}")
-    return number
+MAX_LIMIT_BYTES = 1 << 62           # 4 EiB: past any device, well inside the segment's int64 field
+MAX_REVISION = (1 << 63) - 1        # the segment's int64 revision field
+_HOT_PATH = ("alloc", "free", "alloc_into", "free_from", "available_size")
+_all_managers: weakref.WeakSet = weakref.WeakSet()    # every manager made, for the fork handler
 
 
 def _clipped_intervals(layout, num_blocks: int):
@@ -57,27 +50,35 @@ class KVCacheManager:
 
     A block id b addresses row b of every layer's tensor of the group (``kv[l][0, b]`` is its K
     and ``kv[l][1, b]`` its V in the FlashAttention shape); with the page_grouped layout ids are
-    sparse (see kvcached.layout). Every method is thread-safe.
+    sparse (see kvcached.layout). Every method is thread-safe. After ``close()``,
+    ``shutdown_kvcached()`` or in a forked child every method but ``close()`` raises
+    KVCachedClosedError (Note [Manager life cycle]).
 
     Raises (constructor): KVCachedConfigError for a non-positive size, a geometry that differs
     from the group's tensors, a group that already has a live manager (Note [One manager per
-    group]), or world_size != 1.
+    group]), a segment name another manager of this process uses, world_size != 1 or
+    async_sched=True. A failed constructor leaves nothing behind.
     """
 
     def __init__(self, num_blocks: int, block_size: int, cell_size: int, num_layers: int, world_size: int = 1,
                  pp_rank: int = 0, async_sched: bool = False, reserve_null_block: bool = False,
                  num_kv_buffers: int = 2, group_id: int = 0, pool_name: str | None = None):
-        from ._core import BlockAllocator, PageAllocator
-
         num_blocks, block_size, cell_size, num_layers, num_kv_buffers = (
-            _positive(value, name) for value, name in (
+            as_int(value, name, minimum=1) for value, name in (
                 (num_blocks, "num_blocks"), (block_size, "block_size"), (cell_size, "cell_size"),
                 (num_layers, "num_layers"), (num_kv_buffers, "num_kv_buffers")))
-        group_id = _positive(group_id, "group_id", minimum=0)
-        if world_size != 1:
+        group_id = as_int(group_id, "group_id", minimum=0)
+        self.pp_rank = as_int(pp_rank, "pp_rank", minimum=0)
+        if as_int(world_size, "world_size", minimum=1) != 1:
             raise KVCachedConfigError(
                 f"world_size={world_size}: each rank runs its own KVCacheManager with world_size=1 "
                 f"(pages are mapped by the process that allocates them)")
+        if async_sched:
+            raise KVCachedConfigError(
+                f"async_sched={async_sched!r} is not supported: allocation is synchronous (alloc returns the "
+                f"ids, or None, before it returns), so there is nothing to overlap; pass async_sched=False")
+        if pool_name is not None and not isinstance(pool_name, str):
+            raise KVCachedConfigError(f"pool_name={pool_name!r} must be a str (it suffixes the segment name) or None")
         settings = config.settings()
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -86,14 +87,43 @@ class KVCacheManager:
         self.num_kv_buffers = num_kv_buffers
         self.group_id = group_id
         self.pool_name = pool_name
-        self.pp_rank = pp_rank
-        self.async_sched = async_sched      # accepted for compatibility; allocation is synchronous
         self.block_bytes = block_size * cell_size
-        self._group = runtime.kv_group(group_id, num_layers, num_kv_buffers, self.block_bytes, num_blocks)
-        self._refuse_second_manager()
+        self.null_block = None
+        self._closed_reason: str | None = "the manager is being constructed"
+        self._forked = False
+        self._pid = os.getpid()
+        self._pages = self._blocks = self._budget = self._tracker = self._publisher = None
+        self._closed = threading.Event()          # stops the publisher
+        self._limit_lock = threading.Lock()
+        self._limit_bytes = NO_LIMIT
+        self._limit_revision = 0
+        self._limit_status = "applied"
+        _all_managers.add(self)
+        # See Note [One manager per group]: the check and the registration are one step.
+        with runtime._lock:
+            self._group = runtime.kv_group(group_id, num_layers, num_kv_buffers, self.block_bytes, num_blocks)
+            self._refuse_second_manager()
+            ipc_name = self._ipc_name(settings.ipc_name)
+            try:
+                self._build(settings, ipc_name, reserve_null_block)
+            except BaseException:
+                self._teardown()
+                raise
+            self._closed_reason = None
+            self._bind_hot_path()
+            self._group.managers.append(self)
+            runtime.stop_at_exit()
+        logger.info("manager of group %d: %d blocks in %d pages of %d bytes, segment %s", group_id, num_blocks,
+                    self.num_pages, self.page_bytes, self.ipc_name)
+
+    def _build(self, settings: config.Settings, ipc_name: str | None, reserve_null_block: bool) -> None:
+        """Make the allocators, the budget share and the tracker, then start the threads.
+        Assumes runtime._lock; on an exception the caller tears down what exists."""
+        from ._core import BlockAllocator, PageAllocator
+
         layout = self._group.layout
         self.layout = layout.name
-        first, count, num_pages = _clipped_intervals(layout, num_blocks)
+        first, count, num_pages = _clipped_intervals(layout, self.num_blocks)
         self.num_pages = num_pages
         self.page_bytes = self._group.page_table.page_bytes
         self._pages = PageAllocator(self._group.page_table, num_pages=num_pages,
@@ -102,44 +132,23 @@ class KVCacheManager:
                                     idle_trim_s=settings.idle_trim_s)
         self._blocks = BlockAllocator(self._pages, first, count, layout.id_to_page_num, layout.id_to_page_den,
                                       layout.max_block_id)
+        self._blocks.debug_checks = settings.debug_checks
         self._set_stream()
-        # See Note [Hot path binding].
-        self.alloc = self._blocks.alloc
-        self.free = self._blocks.free
-        self.alloc_into = self._blocks.alloc_into
-        self.free_from = self._blocks.free_from
-        self.available_size = self._blocks.available_blocks
-        self.null_block = None
+        if settings.global_budget is not None:      # before the null block: its page counts too
+            self._attach_budget(settings.global_budget)
         if reserve_null_block:
             self._reserve_null_block()
-        self._limit_lock = threading.Lock()
-        self._limit_bytes = NO_LIMIT
-        self._limit_revision = 0
-        self._limit_status = "applied"
-        self._budget = None
-        if settings.global_budget is not None:
-            self._attach_budget(settings.global_budget)
-        self._tracker = None
-        self._closed = threading.Event()
-        self._publisher = None
         if settings.tracker:
-            self._tracker = MemInfoTracker(self._ipc_name(settings.ipc_name),
-                                           capacity_bytes=num_pages * self.page_bytes, page_size_bytes=self.page_bytes)
+            self._tracker = MemInfoTracker(ipc_name, capacity_bytes=num_pages * self.page_bytes,
+                                           page_size_bytes=self.page_bytes)
             self._tracker.start_watcher(self._apply_limit)
-            self._publisher = threading.Thread(target=self._publish_loop, name=f"kvcached-publish-{group_id}",
+            self._publisher = threading.Thread(target=self._publish_loop, name=f"kvcached-publish-{self.group_id}",
                                                daemon=True)
             self._publisher.start()
         self._pages.start()
-        with runtime._lock:
-            if self._group.managers:          # another constructor won the race
-                self.close()
-                self._refuse_second_manager()
-            self._group.managers.append(self)
-        logger.info("manager of group %d: %d blocks in %d pages of %d bytes, segment %s", group_id, num_blocks,
-                    num_pages, self.page_bytes, self.ipc_name)
 
     def _refuse_second_manager(self) -> None:
-        """See Note [One manager per group]."""
+        """See Note [One manager per group]. Assumes runtime._lock."""
         for other in self._group.managers:
             raise KVCachedConfigError(
                 f"group {self.group_id} already has a manager (num_blocks={other.num_blocks}, "
@@ -148,23 +157,34 @@ class KVCacheManager:
                 f"new manager its own group_id and alloc_kv_cache tensors.")
 
     def _ipc_name(self, base: str | None) -> str | None:
+        """The segment name: KVCACHED_IPC_NAME, suffixed with pool_name. Refuses a name another
+        live manager of this process publishes under. Assumes runtime._lock."""
         if base is None:
             return None
-        return base if self.pool_name is None else f"{base}.{self.pool_name}"
+        name = base if self.pool_name is None else f"{base}.{self.pool_name}"
+        for other in runtime.managers():
+            if other.ipc_name == name:
+                raise KVCachedConfigError(
+                    f"KVCACHED_IPC_NAME={base!r} with pool_name={self.pool_name!r} names segment {name!r}, which "
+                    f"the manager of group {other.group_id} in this process already publishes under; pass a "
+                    f"distinct pool_name to each manager (its segment is then '{base}.<pool_name>').")
+        return name
 
     def _set_stream(self) -> None:
         if self._group.page_table.backend.kind != "cuda":
             return
         import torch
 
-        self.set_stream(torch.cuda.current_stream().cuda_stream)
+        self._pages.stream = int(torch.cuda.current_stream().cuda_stream)
 
     def set_stream(self, stream: int) -> None:
         """The CUDA stream (a ``cudaStream_t`` as int) whose queued work a page unmap waits for.
 
         Defaults to torch's current stream when the manager is made; engines that run attention
         on another stream set it here. 0 is the legacy default stream."""
-        self._pages.stream = int(stream)
+        self._check_open()
+        self._pages.stream = as_int(stream, "stream", minimum=0, hint="a cudaStream_t as int, 0 = legacy default",
+                                    error=KVCachedArgumentError)
 
     def _reserve_null_block(self) -> None:
         ids = self._blocks.alloc(1)
@@ -173,7 +193,7 @@ class KVCacheManager:
                 self._blocks.free(ids)
             raise KVCachedConfigError(
                 f"reserve_null_block: block 0 could not be reserved (got {ids}); the layout's first page "
-                f"must hold block 0")
+                f"must hold block 0, and one page must fit in the memory (and budget) left")
         self.null_block = 0
 
     def _attach_budget(self, name: str) -> None:
@@ -184,49 +204,72 @@ class KVCacheManager:
         self._group.page_table.backend.set_handle_cache_capacity(0)
         self._pages.set_budget_gate(self._budget.try_acquire, self._budget.release)
 
-    # -- the allocation API (bound to the Cython allocator in __init__) -----------------------
+    def _bind_hot_path(self) -> None:
+        """See Note [Hot path binding]."""
+        blocks = self._blocks
+        self.alloc, self.free = blocks.alloc, blocks.free
+        self.alloc_into, self.free_from = blocks.alloc_into, blocks.free_from
+        self.available_size = blocks.available_blocks if self._budget is None else self._available_within_budget
+
+    def _check_open(self) -> None:
+        if self._closed_reason is not None:
+            raise KVCachedClosedError(self._closed_reason)
+
+    # -- the allocation API (bound to the Cython allocator while the manager is open) ----------
     def alloc(self, n: int) -> list[int] | None:
         """Exactly n distinct block ids, or None (state unchanged) when they cannot be had now."""
+        self._check_open()
         return self._blocks.alloc(n)
 
     def free(self, ids) -> None:
         """Free block ids. Raises BlockStateError, freeing nothing, for an unknown, unallocated or
         repeated id."""
+        self._check_open()
         self._blocks.free(ids)
 
     def alloc_into(self, buf) -> bool:
         """Fill a contiguous int32 buffer (numpy array or CPU tensor) with len(buf) ids; False
         (nothing changed) when they cannot be had."""
+        self._check_open()
         return self._blocks.alloc_into(buf)
 
     def free_from(self, buf) -> None:
         """free() for a contiguous int32 buffer."""
+        self._check_open()
         self._blocks.free_from(buf)
 
     def available_size(self) -> int:
         """Blocks alloc could hand out now, from counters (no driver call): alloc(available_size())
-        succeeds and alloc(available_size() + 1) returns None if nothing changes in between."""
+        succeeds and alloc(available_size() + 1) returns None if nothing changes in between.
+        Under KVCACHED_GLOBAL_BUDGET it counts only the pages the budget's free bytes can map."""
+        self._check_open()
+        if self._budget is not None:
+            return self._available_within_budget()
         return self._blocks.available_blocks()
+
+    def _available_within_budget(self) -> int:
+        """available_size under a global budget: pages to be mapped need budget bytes, pooled
+        ones already hold theirs. One lock-free read of the shared total. O(log pages)."""
+        return self._blocks.available_blocks(self._budget.free_bytes() // self.page_bytes)
 
     def try_to_reserve(self, n: int) -> bool:
         """Set n blocks aside (their pages mapped) for the next allocs; False if they cannot be had."""
-        return self._blocks.try_to_reserve(n)
+        self._check_open()
+        return self._blocks.try_to_reserve(as_int(n, "n", minimum=0, error=KVCachedArgumentError))
 
     def free_reserved(self) -> None:
         """Give back the blocks set aside by try_to_reserve."""
+        self._check_open()
         self._blocks.free_reserved()
 
     def resize(self, new_mem_size: int) -> bool:
         """Let this manager span `new_mem_size` bytes of KV memory (all layers and buffers), i.e.
         new_mem_size // page_bytes pages. False, with nothing changed, when that is past the
-        reservation or below the pages holding live blocks. Raises ValueError if negative."""
-        if isinstance(new_mem_size, bool) or not isinstance(new_mem_size, int):
-            try:
-                new_mem_size = operator.index(new_mem_size)
-            except TypeError:
-                raise ValueError(f"new_mem_size={new_mem_size!r} must be an int (bytes)") from None
-        if new_mem_size < 0:
-            raise ValueError(f"new_mem_size={new_mem_size} must be >= 0")
+        reservation or below the pages holding live blocks. Raises KVCachedArgumentError (a
+        ValueError) for a negative or non-integer size."""
+        self._check_open()
+        new_mem_size = as_int(new_mem_size, "new_mem_size", minimum=0, hint="bytes of KV memory",
+                              error=KVCachedArgumentError)
         pages = new_mem_size // self.page_bytes
         if pages > self.num_pages:
             return False
@@ -234,6 +277,7 @@ class KVCacheManager:
 
     def trim(self) -> None:
         """Unmap the reserved pool and release cached physical handles."""
+        self._check_open()
         self._blocks.trim()
 
     def clear(self) -> None:
@@ -242,6 +286,7 @@ class KVCacheManager:
         With a null block this is free_reserved() plus one free() of every other allocated id
         (block 0 is never handed back: re-allocating it after a full clear would find the
         allocator placing the next block elsewhere). O(blocks)."""
+        self._check_open()
         if self.null_block is None:
             self._blocks.clear()
             return
@@ -256,7 +301,9 @@ class KVCacheManager:
         """Cap the memory this manager maps (live pages + reserved pool) at `limit_bytes`
         (NO_LIMIT = -1 removes the cap). See Note [Limits] for the statuses.
 
-        Raises ValueError for a negative limit other than -1 or a negative revision."""
+        Raises KVCachedArgumentError (a ValueError and a TypeError) for a limit outside
+        [-1, MAX_LIMIT_BYTES] or a revision outside [0, MAX_REVISION], bools and floats included;
+        nothing is changed then."""
         state = self._apply_limit(limit_bytes, revision)
         with self._limit_lock:
             if state["status"] in ("applied", "deferred") and self._tracker is not None:
@@ -264,17 +311,21 @@ class KVCacheManager:
         return state
 
     def _apply_limit(self, limit_bytes: int, revision: int) -> dict:
-        if limit_bytes < NO_LIMIT:
-            raise ValueError(f"limit_bytes={limit_bytes} must be >= 0, or -1 for no limit")
-        if revision < 0:
-            raise ValueError(f"revision={revision} must be >= 0")
+        """Validate, then apply a limit request (set_memory_limit, or the tracker's watcher)."""
+        limit_bytes = as_int(limit_bytes, "limit_bytes", minimum=NO_LIMIT, maximum=MAX_LIMIT_BYTES,
+                             hint="bytes, or -1 for no limit", error=KVCachedArgumentError)
+        revision = as_int(revision, "revision", minimum=0, maximum=MAX_REVISION,
+                          hint="a revision above the current one", error=KVCachedArgumentError)
         with self._limit_lock:
+            self._check_open()
             kind = classify_limit_request(self._limit_bytes, self._limit_revision, limit_bytes, revision)
             if kind in ("stale", "conflict"):
                 return self._limit_state(kind)
             if kind == "new":
+                # A limit above the table caps nothing; clamped, it fits the allocator's C int.
+                self._pages.set_limit_pages(-1 if limit_bytes == NO_LIMIT else
+                                            min(limit_bytes // self.page_bytes, self._group.page_table.num_pages))
                 self._limit_bytes, self._limit_revision = limit_bytes, revision
-                self._pages.set_limit_pages(-1 if limit_bytes == NO_LIMIT else limit_bytes // self.page_bytes)
                 if limit_bytes != NO_LIMIT:
                     self._release_cached_handles()
             self._limit_status = "applied" if self._limit_met() else "deferred"
@@ -291,36 +342,44 @@ class KVCacheManager:
         if self._limit_bytes == NO_LIMIT:
             return True
         self._pages.drain(False)
-        return self.get_mapped_memory_size() <= self._limit_bytes
+        return self._mapped_bytes() <= self._limit_bytes
 
     def _limit_state(self, status: str) -> dict:
         return {"status": status, "limit_bytes": self._limit_bytes, "revision": self._limit_revision,
-                "mapped_bytes": self.get_mapped_memory_size()}
+                "mapped_bytes": self._mapped_bytes()}
 
     def memory_limit(self) -> dict:
         """The current limit, its revision and status (applied or deferred)."""
         with self._limit_lock:
+            self._check_open()
             if self._limit_status == "deferred" and self._limit_met():   # tracker off: no publisher
                 self._limit_status = "applied"
             return self._limit_state(self._limit_status)
 
     # -- introspection -------------------------------------------------------------------------
     def get_mapped_memory_size(self, unit: str = "bytes") -> float:
-        """Physical memory mapped for this manager: live pages, reserved pool, pending unmaps."""
-        scale = _UNITS.get(unit.lower())
+        """Physical memory mapped for this manager: live pages, reserved pool, pending unmaps,
+        in `unit` (bytes, b, kb, mb, gb; any case)."""
+        scale = _UNITS.get(unit.lower()) if isinstance(unit, str) else None
         if scale is None:
-            raise ValueError(f"unit={unit!r} is unknown; use one of {', '.join(_UNITS)}")
-        stats = self._pages.stats()
-        mapped = (stats["in_use"] + stats["reserved"] + stats["pending_unmap"]) * self.page_bytes
+            raise KVCachedArgumentError(f"unit={unit!r} is unknown; use one of {', '.join(_UNITS)}")
+        self._check_open()
+        mapped = self._mapped_bytes()
         return mapped if scale == 1 else mapped / scale
+
+    def _mapped_bytes(self) -> int:
+        stats = self._pages.stats()
+        return (stats["in_use"] + stats["reserved"] + stats["pending_unmap"]) * self.page_bytes
 
     def get_page_occupancy(self, page_ids=None) -> dict:
         """{page_id: (live blocks, blocks the page holds)} for the given pages (default: all
         pages holding blocks). Raises ValueError for a page id out of range."""
+        self._check_open()
         return self._blocks.page_occupancy(page_ids)
 
     def stats(self) -> dict:
         """Block and page counters, consistent per allocator."""
+        self._check_open()
         return self._blocks.stats()
 
     @property
@@ -328,20 +387,40 @@ class KVCacheManager:
         """Name of this manager's shared-memory segment (what kvctl shows); None with the tracker off."""
         return None if self._tracker is None else self._tracker.name
 
+    @property
+    def closed(self) -> bool:
+        """Whether the manager was closed, shut down or inherited by a forked child."""
+        return self._closed_reason is not None
+
     def check_invariants(self) -> None:
         """Check every invariant of the allocators (O(blocks + pages))."""
+        self._check_open()
         self._blocks.check_invariants()
 
     # -- background publishing and shutdown ---------------------------------------------------
     def _publish_loop(self) -> None:
+        failing = False
         while not self._closed.wait(PUBLISH_INTERVAL_S):
-            self._publish()
+            try:
+                self._publish()
+            except Exception:                   # one failed round must not end publishing for good
+                if not failing:
+                    logger.exception("manager of group %d: publishing to segment %s failed; retrying every %g s",
+                                     self.group_id, self.ipc_name, PUBLISH_INTERVAL_S)
+                failing = True
+            else:
+                if failing:
+                    logger.warning("manager of group %d: publishing to segment %s works again", self.group_id,
+                                   self.ipc_name)
+                failing = False
 
     def _publish(self) -> None:
         stats = self._pages.stats()
         self._tracker.publish(stats["in_use"] * self.page_bytes,
                               (stats["reserved"] + stats["pending_unmap"]) * self.page_bytes)
         with self._limit_lock:
+            if self._closed_reason is not None:
+                return
             if self._limit_status == "deferred" and self._limit_met():
                 self._limit_status = "applied"
                 self._release_cached_handles()
@@ -352,23 +431,76 @@ class KVCacheManager:
                 self._tracker.set_limit(*state)
 
     def close(self) -> None:
-        """Stop the background threads, free every block and unmap every page of this manager.
-        Idempotent."""
-        if self._closed.is_set():
+        """Stop the background threads, free every block, unmap every page of this manager and
+        give back its budget share; afterwards every other method raises KVCachedClosedError.
+        Idempotent; in a forked child it touches nothing. See Note [Manager life cycle]."""
+        self._close(f"this KVCacheManager of group {self.group_id} is closed: its pages are unmapped and its "
+                    f"block ids may belong to a newer manager of the group. Make a new one "
+                    f"(get_kv_cache_manager or KVCacheManager).")
+
+    def _close(self, reason: str) -> None:
+        if self._forked:
             return
+        with runtime._lock:
+            if self._closed_reason is not None:
+                return
+            with self._limit_lock:              # a limit being applied finishes first
+                self._closed_reason = reason
+            for name in _HOT_PATH:
+                self.__dict__.pop(name, None)
+            try:
+                self._teardown()
+            finally:
+                if self in self._group.managers:
+                    self._group.managers.remove(self)
+
+    def _teardown(self) -> None:
+        """Join every thread of this manager, then give back its blocks, pages and budget share.
+        Each step runs even if one before it failed; the first error is raised at the end."""
+        errors: list[BaseException] = []
+
+        def step(action, *args) -> None:
+            try:
+                action(*args)
+            except Exception as exc:            # keep tearing down; report the first failure
+                errors.append(exc)
+
         self._closed.set()
-        if self._tracker is not None:
+        if self._publisher is not None:
             self._publisher.join()
-            self._tracker.close()
-        self._pages.stop()
-        self._blocks.clear()
-        self._pages.trim()
-        self._pages.drain(True)
+        if self._tracker is not None:
+            step(self._tracker.close)           # joins the watcher: no limit is applied after this
+        if self._pages is not None:
+            step(self._pages.stop)
+        if self._blocks is not None:
+            step(self._blocks.clear)
+        if self._pages is not None:
+            step(self._pages.trim)
+            step(self._pages.drain, True)
         if self._budget is not None:
-            self._pages.set_budget_gate(None, None)
-            self._budget.close()
-        if self in self._group.managers:
-            self._group.managers.remove(self)
+            step(self._budget.close)
+        if errors:
+            raise errors[0]
+
+    def _mark_forked(self) -> None:
+        """In a forked child: make every method raise, and close() a no-op (Note [Manager life
+        cycle]). Touches no lock, thread or memory of the parent."""
+        self._forked = True
+        self._closed_reason = (
+            f"this KVCacheManager of group {self.group_id} was made in process {self._pid} and cannot be used in "
+            f"its forked child {os.getpid()}: its pages and locks are the parent's. In the child call "
+            f"shutdown_kvcached() (it touches nothing of the parent), then init_kvcached() and make a new manager.")
+        self._limit_lock = threading.Lock()
+        for name in _HOT_PATH:
+            self.__dict__.pop(name, None)
+
+
+def _after_fork_in_child() -> None:
+    for manager in list(_all_managers):
+        manager._mark_forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # Note [One manager per group]
@@ -376,12 +508,33 @@ class KVCacheManager:
 # with no one else to ask. A second live manager over the same group would map page 0 again for
 # its own block 0 (the table's fast path trusts its owner) and unmap it under the first one's live
 # blocks, so two managers of one group alias memory and fault. The constructor refuses; close()
-# the first one to make another, and get_kv_cache_manager hands back the live one.
+# the first one to make another, and get_kv_cache_manager hands back the live one. The check and
+# the registration happen under runtime._lock, with the whole construction in between: two
+# threads constructing at once are serialised, and the loser raises before it has made an
+# allocator, a thread or a segment (a check outside the lock let both build allocators over one
+# page table, and the loser's close() unmapped pages under the winner's live blocks).
 #
 # Note [Hot path binding]
 # alloc, free, alloc_into, free_from and available_size are rebound per instance to the Cython
 # allocator's methods, so a call from the engine is one C method call (the class's methods
-# document the contract and serve subclasses). The allocator's own lock makes them thread-safe.
+# document the contract, check that the manager is open and serve after close). The allocator's
+# own lock makes them thread-safe. Under a global budget available_size is a Python method that
+# passes the budget's free pages to the allocator (available_size counts what alloc can map).
+#
+# Note [Manager life cycle]
+# close() and shutdown_kvcached() end a manager for good: the hot-path bindings are dropped from
+# the instance (so the class's methods run and raise KVCachedClosedError) and the Cython
+# allocators are closed too, so a bound method an engine kept (`alloc = m.alloc`) raises as well.
+# Without this a closed manager handed out ids that a newer manager of the group owned, and its
+# trim() unmapped pages under the newer manager's live blocks. Teardown joins the publisher, then
+# the tracker's watcher (a limit being applied finishes under _limit_lock first), then closes the
+# allocators (refill thread stopped, every page unmapped) and the budget share, in that order, so
+# no thread touches a page table being torn down.
+# After fork() every manager of the child is marked forked by an at-fork handler: every method
+# raises before taking any lock (a lock may have been held by a parent thread that does not exist
+# in the child), close() does nothing, and the Cython objects refuse every call by themselves
+# (Note [Fork and close] in _core), so neither the child's calls nor its exit handlers unmap,
+# free or hand out the parent's pages.
 #
 # Note [Limits]
 # A limit caps live pages plus the reserved pool. Applying one trims the pool at once; pages that

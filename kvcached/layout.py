@@ -49,11 +49,11 @@ it is off by default and layouts only pass the flag through (``KVLayout.page_tab
 from __future__ import annotations
 
 import math
-import operator
 from typing import Sequence
 
 import numpy as np
 
+from .checks import as_int
 from .errors import KVCachedConfigError
 
 LAYOUT_NAMES = ("per_layer", "interleaved", "page_grouped")
@@ -62,16 +62,12 @@ KV_LAYOUTS = ("NHD", "HND")
 BACKEND_KINDS = ("cuda", "host")
 
 _MAX_BLOCK_ID = 1 << 31  # block ids cross into the allocator as int32
+MAX_VIRTUAL_BYTES = 1 << 47     # 128 TiB: a process's address space on x86-64 (4-level paging)
+MAX_PAGE_SLICES = 1 << 24       # page-sized slices of all buffers: bounds the bookkeeping arrays
 
 
 def _positive_int(value, what: str, hint: str) -> int:
-    try:
-        number = operator.index(value)
-    except TypeError:
-        raise KVCachedConfigError(f"{what}={value!r} must be an integer; {hint}") from None
-    if number <= 0:
-        raise KVCachedConfigError(f"{what}={number} must be positive; {hint}")
-    return number
+    return as_int(value, what, minimum=1, hint=hint)
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -117,6 +113,7 @@ class KVLayout:
                 f"block_bytes={self.block_bytes} is larger than a page ({self.page_bytes} bytes); raise "
                 f"KVCACHED_PAGE_SIZE_MB to at least {math.ceil(self.block_bytes / (1 << 20))} "
                 f"or use a smaller block_size.")
+        self._check_size()
         self._plan()
         if self.max_block_id >= _MAX_BLOCK_ID:
             raise KVCachedConfigError(
@@ -159,6 +156,23 @@ class KVLayout:
         raise NotImplementedError
 
     # -- shared --------------------------------------------------------------------------------
+    def _check_size(self) -> None:
+        """Refuse, before any array is sized by it, a group that could never be reserved or
+        whose page bookkeeping would not fit in memory (one page-sized slice of each buffer is a
+        mapping for per_layer; page ids are never more). Checked on the smallest figure the
+        group needs, num_blocks * block_bytes per buffer (straddling blocks only add to it)."""
+        needed = self.num_blocks * self.block_bytes * self.buffers_per_page
+        most = min(MAX_VIRTUAL_BYTES // (self.block_bytes * self.buffers_per_page),
+                   MAX_PAGE_SLICES * self.page_bytes // (self.block_bytes * self.buffers_per_page),
+                   _MAX_BLOCK_ID - 1)
+        if self.num_blocks > most:
+            raise KVCachedConfigError(
+                f"num_blocks={self.num_blocks} of {self.block_bytes} bytes x {self.num_layers} layers x "
+                f"{self.num_kv_buffers} buffers needs {needed} bytes ({needed / (1 << 40):.1f} TiB) of virtual memory "
+                f"in {-(-needed // self.page_bytes)} pages of {self.page_bytes} bytes; the most is "
+                f"{MAX_VIRTUAL_BYTES >> 40} TiB (a process's address space), {MAX_PAGE_SLICES} pages and block ids "
+                f"below {_MAX_BLOCK_ID}: ask for at most {most} blocks, or use larger pages.")
+
     def _check_location_args(self, block_id: int, layer: int, buffer: int) -> None:
         if not 0 <= block_id < self.max_block_id:
             raise KVCachedConfigError(f"block_id={block_id} is outside [0, {self.max_block_id})")

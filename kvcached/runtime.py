@@ -4,23 +4,27 @@
 torch tensors, ``get_kv_cache_manager`` hands out the group's manager, ``shutdown_kvcached``
 unmaps and releases everything (init may be called again afterwards).
 
-Lock rule: ``_lock`` guards the registry below; every function here takes it. These are start-up
-and shutdown calls, never on the alloc/free path.
+Lock rule: ``_lock`` guards the registry below; every function here takes it, and so do the
+manager's constructor and close() (Note [One manager per group] in kv_cache_manager). These
+are start-up and shutdown calls, never on the alloc/free path. See Note [Runtime life cycle].
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
 from . import config
-from .errors import KVCachedConfigError
+from .checks import as_int
+from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
 from .layout import choose_layout, make_layout
 
 logger = logging.getLogger("kvcached")
 
-SHAPE_KINDS = ("flash_attn", "flashinfer", "mla")
+MAX_PAGE_BYTES = 1 << 30        # KVCACHED_PAGE_SIZE_MB's bound, 1024 MiB
 MAX_HANDLE_CACHE = 256          # the backend's bound (_MAX_CACHED_HANDLES)
 JOINT_KV_ATTENTION = ("hybrid", "mamba", "linear")
 ATTENTION_TYPES = ("MHA", "GQA", "MQA", "MLA") + JOINT_KV_ATTENTION
@@ -47,12 +51,21 @@ class _Runtime:
     tp_rank: int
     pp_rank: int
     is_worker: bool
-    async_sched: bool
     groups: dict = field(default_factory=dict)
+    pid: int = field(default_factory=os.getpid)     # the process that made it; Note [Runtime life cycle]
+    forked: bool = False
 
 
 _lock = threading.RLock()
 _runtime: _Runtime | None = None
+
+
+def _check_usable(rt: _Runtime) -> None:
+    if rt.forked:
+        raise KVCachedClosedError(
+            f"kvcached was initialised in process {rt.pid}; this forked child ({os.getpid()}) cannot use its "
+            f"memory. Call shutdown_kvcached() in the child (it touches nothing of the parent), then "
+            f"init_kvcached().")
 
 
 def _parse_device(device) -> str:
@@ -89,7 +102,13 @@ def _make_backend(device: str, page_bytes: int, host_capacity_bytes: int | None)
 
     if device == "cpu":
         granularity = min(2 << 20, page_bytes)
-        return HostBackend(granularity=granularity, capacity_bytes=host_capacity_bytes)
+        backend = HostBackend(granularity=granularity, capacity_bytes=host_capacity_bytes)
+        if page_bytes > backend.capacity_bytes:
+            raise KVCachedConfigError(
+                f"page size {page_bytes} bytes is larger than the host backend's capacity of "
+                f"{backend.capacity_bytes} bytes: not one page could be mapped; use a smaller page "
+                f"(KVCACHED_PAGE_SIZE_MB, page_size_bytes) or a larger host_capacity_bytes")
+        return backend
     return CudaBackend(int(device.split(":")[1]))
 
 
@@ -99,28 +118,40 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
     """Set up kvcached for this process.
 
     device: "cuda:N", "cuda" or "cpu"; None = the current CUDA device if CUDA is usable, else the
-    host backend. page_size_bytes overrides KVCACHED_PAGE_SIZE_MB (tests use small pages);
-    host_capacity_bytes caps the host backend's physical memory (default: the machine's RAM).
+    host backend. page_size_bytes overrides KVCACHED_PAGE_SIZE_MB (tests use small pages), up to
+    MAX_PAGE_BYTES; host_capacity_bytes caps the host backend's physical memory (default: the
+    machine's RAM). async_sched=True is refused: allocation is synchronous.
     Calling it again with the same device is a no-op; with another, an error (shut down first).
 
     Raises KVCachedConfigError for a bad setting or argument; DriverUnavailableError if CUDA was
-    asked for and cannot be used.
+    asked for and cannot be used; KVCachedClosedError in a forked child that inherited an
+    initialised kvcached (shut it down in the child first).
     """
     global _runtime
-    if world_size != 1:
+    if as_int(world_size, "world_size", minimum=1) != 1:
         raise KVCachedConfigError(
             f"world_size={world_size}: this release runs one kvcached instance per process and maps pages "
             f"in the process that allocates them; start one instance per rank with world_size=1.")
-    if page_size_bytes is not None and (isinstance(page_size_bytes, bool) or not isinstance(page_size_bytes, int)
-                                        or page_size_bytes <= 0):
-        raise KVCachedConfigError(f"page_size_bytes={page_size_bytes!r} must be a positive int (bytes), a multiple "
-                                  f"of the backend granularity, or None for KVCACHED_PAGE_SIZE_MB")
+    tp_rank = as_int(tp_rank, "tp_rank", minimum=0)
+    pp_rank = as_int(pp_rank, "pp_rank", minimum=0)
+    if async_sched:
+        raise KVCachedConfigError(
+            f"async_sched={async_sched!r} is not supported: allocation is synchronous (alloc returns the ids, or "
+            f"None, before it returns); pass async_sched=False")
+    if page_size_bytes is not None:
+        page_size_bytes = as_int(page_size_bytes, "page_size_bytes", minimum=1, maximum=MAX_PAGE_BYTES,
+                                 hint="bytes, a multiple of the backend granularity, or None for "
+                                      "KVCACHED_PAGE_SIZE_MB")
+    if host_capacity_bytes is not None:
+        host_capacity_bytes = as_int(host_capacity_bytes, "host_capacity_bytes", minimum=1,
+                                     hint="bytes of host memory the host backend may map, or None for all of it")
     settings = config.settings()
     logging.getLogger("kvcached").setLevel(settings.log_level)
     page_bytes = settings.page_size_mb << 20 if page_size_bytes is None else page_size_bytes
     with _lock:
         wanted = _parse_device(device)
         if _runtime is not None:
+            _check_usable(_runtime)
             # page_size_bytes=None asks for no particular size: engines call init again without it
             if _runtime.device != wanted or (page_size_bytes is not None and _runtime.page_bytes != page_bytes):
                 raise KVCachedConfigError(
@@ -133,7 +164,7 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
                 f"page size {page_bytes} bytes is not a positive multiple of the {backend.kind} granularity "
                 f"({backend.granularity} bytes); set KVCACHED_PAGE_SIZE_MB to a multiple of "
                 f"{max(1, backend.granularity >> 20)}.")
-        _runtime = _Runtime(backend, wanted, page_bytes, tp_rank, pp_rank, is_worker, async_sched)
+        _runtime = _Runtime(backend, wanted, page_bytes, tp_rank, pp_rank, bool(is_worker))
         logger.info("kvcached initialised on %s (%s backend, pages of %d bytes)", wanted, backend.kind, page_bytes)
 
 
@@ -142,12 +173,18 @@ def runtime() -> _Runtime:
     with _lock:
         if _runtime is None:
             init_kvcached()
+        _check_usable(_runtime)
         return _runtime
 
 
 def _shape_kind(kvcache_shape, block_size: int, attention_type: str, kv_layout: str):
     """(shape_kind, num_blocks, block_shape in NHD order, num_kv_buffers) of an engine's shape."""
-    shape = tuple(int(x) for x in kvcache_shape)
+    try:
+        dims = list(kvcache_shape)
+    except TypeError:
+        raise KVCachedConfigError(f"kvcache_shape={kvcache_shape!r} must be a sequence of ints") from None
+    shape = tuple(as_int(x, f"kvcache_shape[{i}]", minimum=1, hint=f"kvcache_shape={tuple(dims)!r} holds sizes")
+                  for i, x in enumerate(dims))
     if attention_type == "MLA":
         if kv_layout != "NHD":
             raise KVCachedConfigError("kv_layout='HND' has no meaning for MLA (no head dimension); use NHD")
@@ -183,7 +220,8 @@ def _requested_rows(view, shape_kind: str, num_blocks: int):
 def _create_group(rt: _Runtime, group_id: int, num_layers: int, num_kv_buffers: int, block_bytes: int,
                   num_blocks: int, joint_kv: bool) -> KVGroup:
     settings = config.settings()
-    name, reason = choose_layout(settings.layout, rt.backend.kind, joint_kv)
+    name, reason = choose_layout(settings.layout, rt.backend.kind, joint_kv,
+                                 integrated_memory=rt.backend.kind == "cuda" and rt.backend.integrated_memory)
     layout = make_layout(name, num_layers, num_kv_buffers, block_bytes, rt.page_bytes, num_blocks,
                          rt.backend.granularity)
     ranges = [rt.backend.reserve(size) for size in layout.range_sizes()]
@@ -221,12 +259,13 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
         raise KVCachedConfigError(f"kv_layout={kv_layout!r} is unknown; use 'NHD' or 'HND'")
     if not isinstance(dtype, torch.dtype):
         raise KVCachedConfigError(f"dtype={dtype!r} is not a torch.dtype")
-    if isinstance(group_id, bool) or not isinstance(group_id, int) or group_id < 0:
-        raise KVCachedConfigError(f"group_id={group_id!r} must be an int >= 0")
+    block_size = as_int(block_size, "block_size", minimum=1, hint="tokens per block")
+    num_layers = as_int(num_layers, "num_layers", minimum=1)
+    group_id = as_int(group_id, "group_id", minimum=0)
     with _lock:
         if _runtime is None:
             init_kvcached(device=device)
-        rt = _runtime
+        rt = runtime()
         if device is not None and _parse_device(device) != rt.device:
             raise KVCachedConfigError(f"device={device!r} differs from the initialised device {rt.device}")
         existing = rt.groups.get(group_id)
@@ -305,9 +344,9 @@ def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_l
 
 
 def managers() -> list:
-    """Every live manager of this process (for instance-wide limits)."""
+    """Every live manager of this process (for instance-wide limits); none in a forked child."""
     with _lock:
-        if _runtime is None:
+        if _runtime is None or _runtime.forked:
             return []
         return [m for g in _runtime.groups.values() for m in g.managers]
 
@@ -322,15 +361,18 @@ def set_instance_memory_limit(limit_bytes: int, *, revision: int) -> dict:
     "applied", "deferred" (some share is below that manager's live pages, see Note [Limits] in
     kv_cache_manager), "stale" or "conflict". O(managers).
 
-    Raises ValueError for a limit below -1 or a negative revision (nothing changed).
+    Raises KVCachedArgumentError (a ValueError) for a limit outside [-1, MAX_LIMIT_BYTES] or a
+    revision outside [0, MAX_REVISION], bools and floats included (nothing changed).
     """
+    from .kv_cache_manager import MAX_LIMIT_BYTES, MAX_REVISION
     from .mem_info_tracker import NO_LIMIT, classify_limit_request, split_limit
 
-    if isinstance(limit_bytes, bool) or not isinstance(limit_bytes, int) or limit_bytes < NO_LIMIT:
-        raise ValueError(f"limit_bytes={limit_bytes!r} must be an int >= 0, or -1 for no limit")
-    if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
-        raise ValueError(f"revision={revision!r} must be an int >= 0")
+    limit_bytes = as_int(limit_bytes, "limit_bytes", minimum=NO_LIMIT, maximum=MAX_LIMIT_BYTES,
+                         hint="bytes, or -1 for no limit", error=KVCachedArgumentError)
+    revision = as_int(revision, "revision", minimum=0, maximum=MAX_REVISION,
+                      hint="a revision above the current one", error=KVCachedArgumentError)
     with _lock:
+        runtime()
         pools = managers()
         page_sizes = {m.page_bytes for m in pools}
         shares = split_limit(limit_bytes, [m.num_pages * m.page_bytes for m in pools],
@@ -350,16 +392,77 @@ def shutdown_kvcached() -> None:
     """Stop every manager, unmap and release every page and handle, forget the groups.
 
     Tensors returned by alloc_kv_cache must not be used afterwards (their pages are unmapped);
-    their address ranges stay reserved until the last of them is dropped."""
+    their address ranges stay reserved until the last of them is dropped. Every manager is
+    closed: its methods raise KVCachedClosedError. In a forked child it only forgets what the
+    child inherited, touching nothing of the parent; init_kvcached may follow in both cases.
+    Each step runs even if one before it failed; the first error is raised at the end."""
     global _runtime
     with _lock:
         if _runtime is None:
             return
         rt, _runtime = _runtime, None
+        if rt.forked:
+            config.reload_settings()
+            return
+        errors: list[Exception] = []
         for group in rt.groups.values():
             for manager in list(group.managers):
-                manager.close()
-            group.page_table.close()
-        rt.backend.release_cached()
+                try:
+                    manager._close(
+                        f"the KVCacheManager of group {group.group_id} was closed by shutdown_kvcached(): call "
+                        f"init_kvcached() and alloc_kv_cache() again, then make a new manager.")
+                except Exception as exc:
+                    errors.append(exc)
+            try:
+                group.page_table.close()
+            except Exception as exc:
+                errors.append(exc)
+        try:
+            rt.backend.release_cached()
+        except Exception as exc:
+            errors.append(exc)
         rt.groups.clear()
         config.reload_settings()
+        if errors:
+            raise errors[0]
+
+
+def stop_at_exit() -> None:
+    """Shut kvcached down at interpreter exit, before the trackers and budget handles made so far
+    close themselves (atexit runs the last registration first). Assumes _lock."""
+    atexit.unregister(_shutdown_at_exit)
+    atexit.register(_shutdown_at_exit)
+
+
+def _shutdown_at_exit() -> None:
+    try:
+        shutdown_kvcached()
+    except Exception:                  # exit must not fail on clean-up
+        logger.exception("kvcached: shutdown at exit failed")
+
+
+def _after_fork_in_child() -> None:
+    """Runs in the child right after fork(): a new lock (the old one may be held by a thread
+    that does not exist here), and the inherited runtime marked unusable. Touches nothing else."""
+    global _lock
+    _lock = threading.RLock()
+    if _runtime is not None:
+        _runtime.forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# Note [Runtime life cycle]
+# shutdown_kvcached() closes every manager (their methods raise KVCachedClosedError afterwards),
+# then every group's page table, then the backend's handle cache. It also runs at interpreter
+# exit, registered again by each new manager so that it runs before the trackers' and budget
+# handles' own at-exit handlers: managers stop their threads before their segments go.
+# A forked child inherits the runtime, its managers and their memory: on the host backend every
+# mapped page is a shared mapping of the parent's pool memfd, so an unmap, a punched hole or a
+# page handed out again would zero or alias the parent's live blocks; on CUDA the driver is
+# unusable after fork. An at-fork handler gives the child a fresh _lock and marks the runtime
+# forked (and kv_cache_manager's marks every manager): the inherited runtime then refuses every
+# call, and shutdown_kvcached() in the child, or at its exit, only forgets it. The Cython core
+# refuses to touch anything from an object made before the fork, its deallocators included
+# (Note [Fork and close] in _core), so the child's exit leaves the parent's cache untouched.

@@ -44,12 +44,39 @@ def test_init_cuda_without_driver(kv_env):
     assert rt_mod.runtime().device == "cpu" and rt_mod.runtime().backend.kind == "host"
 
 
-@pytest.mark.parametrize("page_size", [0, -4096, 1000, "x", 3 << 20, 64.0 * 1024])
+@pytest.mark.parametrize("page_size", [0, -4096, 1000, "x", 3 << 20, 64.0 * 1024, True, 1 << 50, (1 << 30) + 1])
 def test_init_bad_page_size(kv_env, page_size):
     kv_env()
-    with pytest.raises(KVCachedConfigError, match="page"):
+    with pytest.raises(KVCachedConfigError, match="page") as info:
         init_kvcached(device="cpu", page_size_bytes=page_size)
     assert rt_mod._runtime is None
+    if page_size in (1 << 50, (1 << 30) + 1):           # refused up front, naming the bound
+        assert f"page_size_bytes={page_size} must be an int in [1, {1 << 30}]" in str(info.value)
+
+
+def test_init_page_larger_than_host_capacity(kv_env):
+    kv_env()
+    with pytest.raises(KVCachedConfigError, match="larger than the host backend's capacity"):
+        init_kvcached(device="cpu", page_size_bytes=8 << 20, host_capacity_bytes=4 << 20)
+    assert rt_mod._runtime is None
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(host_capacity_bytes="x"), "host_capacity_bytes='x' must be"),
+    (dict(host_capacity_bytes=0), "host_capacity_bytes=0"),
+    (dict(host_capacity_bytes=1.5e9), "host_capacity_bytes=1500000000.0"),
+    (dict(host_capacity_bytes=True), "host_capacity_bytes=True"),
+    (dict(tp_rank=-1), "tp_rank=-1"),
+    (dict(pp_rank=0.0), "pp_rank=0.0"),
+    (dict(world_size=True), "world_size=True"),
+    (dict(async_sched=True), "async_sched=True is not supported: allocation is synchronous"),
+])
+def test_init_bad_arguments(kv_env, kwargs, match):
+    kv_env()
+    with pytest.raises(KVCachedConfigError, match=match):
+        init_kvcached(device="cpu", page_size_bytes=KV_PAGE_BYTES, **kwargs)
+    assert rt_mod._runtime is None
+    init_kvcached(device="cpu", page_size_bytes=KV_PAGE_BYTES, host_capacity_bytes=np.int64(1 << 24))
 
 
 def test_init_world_size_and_bad_env(kv_env):
@@ -138,9 +165,20 @@ def test_alloc_kv_cache_mla_cell_size(cpu):
     (dict(kvcache_shape=(2, 100, 16, 2)), "not understood"),
     (dict(kvcache_shape=(3, 100, 16, 2, 32)), "K/V dimension"),
     (dict(kvcache_shape=(2, 100, 8, 2, 32)), "block_size=16"),
-    (dict(kvcache_shape=(2, 0, 16, 2, 32)), "num_blocks=0"),
-    (dict(kvcache_shape=(2, 100, 16, 0, 32)), "block_bytes=0"),
-    (dict(kvcache_shape=(2, 100, 16, -2, 32)), "block_bytes"),
+    (dict(kvcache_shape=(2, 0, 16, 2, 32)), r"kvcache_shape\[1\]=0 must be a positive int"),
+    (dict(kvcache_shape=(2, 100, 16, 0, 32)), r"kvcache_shape\[3\]=0"),
+    (dict(kvcache_shape=(2, 100, 16, -2, 32)), r"kvcache_shape\[3\]=-2"),
+    (dict(kvcache_shape=(2, 100, 16, 2, 32.5)), r"kvcache_shape\[4\]=32.5 must be a positive int"),
+    (dict(kvcache_shape=(2, 100, 16, 2, 32.0)), r"kvcache_shape\[4\]=32.0"),
+    (dict(kvcache_shape=(2, 100, 16, True, 32)), r"kvcache_shape\[3\]=True"),
+    (dict(kvcache_shape=(2, torch.tensor(100.0), 16, 2, 32)), r"kvcache_shape\[1\]=tensor\(100.\)"),
+    (dict(kvcache_shape=None), "kvcache_shape=None must be a sequence"),
+    (dict(kvcache_shape=(2, 10**13, 16, 2, 32)), r"num_blocks=10000000000000 .* TiB.*ask for at most"),
+    (dict(block_size=16.0), "block_size=16.0 must be a positive int"),
+    (dict(block_size=True), "block_size=True"),
+    (dict(num_layers=True), "num_layers=True"),
+    (dict(num_layers=2.0), "num_layers=2.0"),
+    (dict(group_id=True), "group_id=True"),
     (dict(kvcache_shape=(2, 100, 16, 64, 128), dtype=torch.float32), "larger than a page"),
     (dict(dtype="float16"), "torch.dtype"),
     (dict(dtype=np.float16), "torch.dtype"),
