@@ -42,6 +42,15 @@ NUM_BLOCKS = 256
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one torch thread is ten times faster than two on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @functools.cache
 def serving_model(family: str):
     return build_model(family)
