@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _stacks import KV_PAGE_BYTES
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached
 from kvcached.ops import paged_attention, paged_decode, write_kv
-
-from _stacks import KV_PAGE_BYTES
 
 LAYOUTS = ("per_layer", "interleaved", "page_grouped")
 KV_LAYOUTS = ("NHD", "HND")
@@ -396,8 +395,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not usab
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("num_splits", [1, 4, None])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, num_splits", [(torch.float32, 1), (torch.bfloat16, 4), (torch.bfloat16, None)],
+                         ids=["fp32-1split", "bf16-4splits", "bf16-auto"])
 @pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: f"bs{c['block_size']}-d{c['head_dim']}-{c['kv_layout']}")
 def test_triton_decode_on_cuda(case, dtype, num_splits):
     _run_triton_case(case, "cuda", dtype, num_splits)

@@ -14,7 +14,14 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ._args import CacheGeometry, cache_geometry, check_index, check_query_heads, check_scale, check_window
+from ._args import (
+    CacheGeometry,
+    cache_geometry,
+    check_index,
+    check_query_heads,
+    check_scale,
+    check_window,
+)
 
 logger = logging.getLogger("kvcached")
 _triton_missing_logged = False

@@ -11,7 +11,6 @@ Imported only for CUDA tensors (the CPU torch wheel has no triton), or explicitl
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import triton
