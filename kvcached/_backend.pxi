@@ -24,9 +24,10 @@ cdef extern from "<unistd.h>" nogil:
 
 cdef extern from "<errno.h>" nogil:
     int errno
-    int ENOMEM, ENOSPC
+    int ENOMEM, ENOSPC, EIO
 
 DEFAULT_HANDLE_CACHE_SIZE = 8
+_FAULT_OPS = {"map": _FAULT_MAP, "set_access": _FAULT_SET_ACCESS, "unmap": _FAULT_UNMAP}
 cdef size_t _HOST_POOL_SPAN_FACTOR = 8
 
 
@@ -52,20 +53,86 @@ cdef class Backend:
     Subclasses implement the `_`-prefixed primitives; everything else is shared. Handles released
     through `recycle_handle` stay in a small bounded cache (Note [Handle cache]).
 
-    Lock rule: the handle cache, the counters and the fault countdown are guarded by `_lock`, taken
-    inside the nogil methods; callers need no lock of their own.
+    Lock rule: the handle cache, the counters and the fault countdowns are guarded by `_lock`,
+    taken inside the nogil methods; callers need no lock of their own.
+
+    In a forked child every method raises KVCachedError (Note [Fork and close]).
     """
 
     def __cinit__(self, *args, **kwargs):
         pthread_mutex_init(&self._lock, NULL)
         self.cache_capacity = DEFAULT_HANDLE_CACHE_SIZE
         self.fault_countdown = -1
+        self.live_token = _live_token()
+        self.creator_pid = getpid()
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Backend is abstract: use CudaBackend(device_id) or HostBackend()")
 
     def __dealloc__(self):
-        pthread_mutex_destroy(&self._lock)
+        if self.live_token == _fork_generation:      # in a child the lock may be held by a lost thread
+            pthread_mutex_destroy(&self._lock)
+
+    cdef int _check_live(self) except -1 nogil:
+        """Raise KVCachedError in a forked child (Note [Fork and close]); 0 otherwise."""
+        if self.live_token == _fork_generation:
+            return 0
+        with gil:
+            _raise_unusable(f"{self.kind} backend", self.live_token, self.creator_pid,
+                            "make a new backend (init_kvcached) in this process.")
+        return -1
+
+    @property
+    def lifecycle(self) -> str:
+        """"live", or "forked" when inherited by a forked child (then every method raises)."""
+        return _lifecycle_name(self.live_token)
+
+    # -- fault injection, for tests only: one flag test on the primitives when off ------------
+    cdef int _injected_fault(self, int op) except -1 nogil:
+        """Count one call of `op`; when its countdown is spent, fail it: return _OOM (armed with
+        oom=True) or raise DriverError. Called only while faults_armed."""
+        cdef int fire = self._fault_fires(op)
+        if fire == 2:
+            return _OOM
+        if fire == 1:
+            with gil:
+                raise DriverError(("map", "set_access", "unmap")[op], 5, "EIO", "injected fault")
+        return 0
+
+    cdef int _fault_fires(self, int op) noexcept nogil:
+        """Count one call of `op`: 0 let it run, 1 fail it with an error, 2 with out of memory."""
+        cdef int fire = 0
+        pthread_mutex_lock(&self._lock)
+        if self.fault_times[op] != 0:
+            if self.fault_after[op] > 0:
+                self.fault_after[op] -= 1
+            else:
+                fire = 2 if self.fault_oom[op] else 1
+                if self.fault_times[op] > 0:
+                    self.fault_times[op] -= 1
+        self.faults_armed = (self.fault_times[_FAULT_MAP] != 0 or self.fault_times[_FAULT_SET_ACCESS] != 0
+                             or self.fault_times[_FAULT_UNMAP] != 0)
+        pthread_mutex_unlock(&self._lock)
+        return fire
+
+    def inject_fault(self, str op, int64_t after, int64_t times=1, bint oom=False):
+        """Fault injection (tests): after `after` more successful `op` calls ("map",
+        "set_access" or "unmap"), the next `times` calls fail (-1: all of them) — with a
+        DriverError, or, with oom=True, as out of memory (map and set_access). after=-1 disarms
+        `op`. Raises KVCachedConfigError for another op, or oom=True with "unmap"."""
+        self._check_live()
+        if op not in _FAULT_OPS or (oom and op == "unmap"):
+            raise KVCachedConfigError(
+                f"inject_fault(op={op!r}, oom={oom}): op must be one of {sorted(_FAULT_OPS)}, "
+                f"and oom=True only for map or set_access")
+        cdef int i = _FAULT_OPS[op]
+        pthread_mutex_lock(&self._lock)
+        self.fault_after[i] = after
+        self.fault_times[i] = 0 if after < 0 else times
+        self.fault_oom[i] = oom
+        self.faults_armed = (self.fault_times[_FAULT_MAP] != 0 or self.fault_times[_FAULT_SET_ACCESS] != 0
+                             or self.fault_times[_FAULT_UNMAP] != 0)
+        pthread_mutex_unlock(&self._lock)
 
     # -- primitives, implemented by subclasses ------------------------------------------------
     cdef int _reserve(self, size_t size_bytes, uintptr_t* address) except -1 nogil:
@@ -86,9 +153,10 @@ cdef class Backend:
     cdef int _set_access(self, uintptr_t address, size_t size_bytes, bint writable) except -1 nogil:
         with gil:
             raise NotImplementedError
-    cdef int _unmap(self, uintptr_t address, size_t size_bytes) except -1 nogil:
-        with gil:
-            raise NotImplementedError
+    cdef int _unmap_status(self, uintptr_t address, size_t size_bytes) noexcept nogil:
+        return -1
+    cdef object _unmap_error(self, int code):
+        return NotImplementedError("Backend is abstract")
     cdef int _record_fence(self, uintptr_t stream, uintptr_t* fence) except -1 nogil:
         fence[0] = 0
         return 0
@@ -100,12 +168,25 @@ cdef class Backend:
         with gil:
             raise NotImplementedError
 
-    # -- shared: the handle cache and the counters -------------------------------------------
+    # -- shared: unmap, the handle cache and the counters --------------------------------------
+    cdef int _unmap(self, uintptr_t address, size_t size_bytes) except -1 nogil:
+        """Unmap one mapping; raises DriverError (the mapping stays). The page table calls
+        _unmap_status instead, to go on past a failure (Note [Failed unmap])."""
+        cdef int code
+        self._check_live()
+        code = self._unmap_status(address, size_bytes)
+        if code == 0:
+            return 0
+        with gil:
+            raise self._unmap_error(code)
+
+
     cdef int acquire_handle(self, size_t size_bytes, uint64_t* handle) except -1 nogil:
         """A physical handle of `size_bytes`: a cached one if any, else a new one.
 
         Returns 0, or _OOM with nothing taken. Raises DriverError for other driver failures."""
         cdef int i, rc
+        self._check_live()
         pthread_mutex_lock(&self._lock)
         if self.fault_countdown == 0:
             pthread_mutex_unlock(&self._lock)
@@ -135,6 +216,7 @@ cdef class Backend:
 
     cdef int recycle_handle(self, uint64_t handle, size_t size_bytes) except -1 nogil:
         """Give a handle back: into the cache while it has room, else released."""
+        self._check_live()
         pthread_mutex_lock(&self._lock)
         if self.cache_count < self.cache_capacity:
             self.cache_handles[self.cache_count] = handle
@@ -147,6 +229,7 @@ cdef class Backend:
         return self._release_counted(handle, size_bytes)
 
     cdef int _release_counted(self, uint64_t handle, size_t size_bytes) except -1 nogil:
+        self._check_live()
         self._release(handle, size_bytes)
         pthread_mutex_lock(&self._lock)
         self.num_releases += 1
@@ -158,6 +241,7 @@ cdef class Backend:
         """Release every cached handle, so its memory goes back to the device."""
         cdef uint64_t handle
         cdef size_t size_bytes
+        self._check_live()
         while True:
             pthread_mutex_lock(&self._lock)
             if self.cache_count == 0:
@@ -192,6 +276,7 @@ cdef class Backend:
         cdef uint64_t handle = 0
         cdef int rc
         self.check_aligned(size_bytes, "size_bytes")
+        self._check_live()
         with nogil:
             rc = self._create(size_bytes, &handle)
         if rc == _OOM:
@@ -218,23 +303,39 @@ cdef class Backend:
             self._release_counted(handle, size_bytes)
 
     def map(self, uintptr_t address, size_t size_bytes, uint64_t handle, bint writable=True):
-        """Map `handle` at `address` and set its access (one set-access per mapping)."""
+        """Map `handle` at `address` and set its access (one set-access per mapping). Raises
+        OutOfDeviceMemory when the driver is out of memory (the mapping undone)."""
+        cdef int rc
         self.check_aligned(size_bytes, "size_bytes")
         self.check_aligned(address, "address")
         with nogil:
-            self._map(address, size_bytes, handle)
-            self._set_access(address, size_bytes, writable)
+            rc = self._map(address, size_bytes, handle)
+            if rc == 0:
+                rc = self._set_access(address, size_bytes, writable)
+                if rc != 0:
+                    self._unmap(address, size_bytes)
+        if rc == _OOM:
+            raise OutOfDeviceMemory("map", 2, "out of memory", f"mapping {size_bytes} bytes at 0x{address:x}")
 
     def map_only(self, uintptr_t address, size_t size_bytes, uint64_t handle):
-        """Map without setting access (benchmarks time the two steps apart)."""
+        """Map without setting access (benchmarks time the two steps apart). Raises
+        OutOfDeviceMemory when the driver is out of memory."""
+        cdef int rc
         with nogil:
-            self._map(address, size_bytes, handle)
+            rc = self._map(address, size_bytes, handle)
+        if rc == _OOM:
+            raise OutOfDeviceMemory("map", 2, "out of memory", f"mapping {size_bytes} bytes at 0x{address:x}")
 
     def set_access(self, uintptr_t address, size_t size_bytes, bint writable=True):
+        """Raises OutOfDeviceMemory when the driver is out of memory."""
+        cdef int rc
         with nogil:
-            self._set_access(address, size_bytes, writable)
+            rc = self._set_access(address, size_bytes, writable)
+        if rc == _OOM:
+            raise OutOfDeviceMemory("set_access", 2, "out of memory", f"{size_bytes} bytes at 0x{address:x}")
 
     def unmap(self, uintptr_t address, size_t size_bytes):
+        """Raises DriverError when the backend refuses (the mapping stays)."""
         with nogil:
             self._unmap(address, size_bytes)
 
@@ -267,6 +368,7 @@ cdef class Backend:
             raise KVCachedConfigError(f"handle cache capacity {capacity} must be in [0, {_MAX_CACHED_HANDLES}]")
         cdef uint64_t handle
         cdef size_t size_bytes
+        self._check_live()
         pthread_mutex_lock(&self._lock)
         self.cache_capacity = capacity
         pthread_mutex_unlock(&self._lock)
@@ -285,19 +387,23 @@ cdef class Backend:
     def record_fence(self, uintptr_t stream=0):
         """Record a fence on `stream` (a CUstream as int; 0 = legacy default stream) -> fence id."""
         cdef uintptr_t fence = 0
+        self._check_live()
         self._record_fence(stream, &fence)
         return fence
 
     def fence_done(self, uintptr_t fence):
         """True when the device work queued before the fence has finished."""
+        self._check_live()
         return self._fence_done(fence) == 1
 
     def release_fence(self, uintptr_t fence):
+        self._check_live()
         self._release_fence(fence)
 
     def free_physical_bytes(self):
         """Physical memory this backend could still create (a driver/syscall query: not hot)."""
         cdef size_t free_bytes = 0
+        self._check_live()
         with nogil:
             self._free_physical_bytes(&free_bytes)
         return free_bytes
@@ -305,6 +411,7 @@ cdef class Backend:
     def inject_out_of_memory(self, int64_t after):
         """Fault injection: the handle acquisition after `after` more successful ones reports out
         of memory, and every one after that too, until called with -1 (off)."""
+        self._check_live()
         pthread_mutex_lock(&self._lock)
         self.fault_countdown = after
         pthread_mutex_unlock(&self._lock)
@@ -328,6 +435,7 @@ cdef class CudaBackend(Backend):
 
     def __init__(self, int device_id=0):
         cdef size_t granularity = 0
+        cdef int integrated = 0
         reason = cuda_unavailable_reason()
         if reason is not None:
             raise DriverUnavailableError(f"CUDA is not usable: {reason}. Use device='cpu' for the host backend.")
@@ -352,9 +460,12 @@ cdef class CudaBackend(Backend):
         check(cydriver.cuMemGetAllocationGranularity(
             &granularity, &self.prop, cydriver.CU_MEM_ALLOC_GRANULARITY_MINIMUM), "cuMemGetAllocationGranularity")
         self.granularity = granularity
+        check(cydriver.cuDeviceGetAttribute(&integrated, cydriver.CU_DEVICE_ATTRIBUTE_INTEGRATED, self.device),
+              "cuDeviceGetAttribute(INTEGRATED)")
+        self.integrated_memory = integrated != 0
 
     def __dealloc__(self):
-        if self.has_context:
+        if self.has_context and self.live_token == _fork_generation:   # a forked child touches no driver
             # Cached handles hold device memory that nothing else can reach once we are gone.
             try:
                 self.release_cached_handles()
@@ -367,6 +478,7 @@ cdef class CudaBackend(Backend):
 
     cdef inline int _bind(self) except -1 nogil:
         cdef cydriver.CUcontext current = NULL
+        self._check_live()
         check(cydriver.cuCtxGetCurrent(&current), "cuCtxGetCurrent")
         if current != self.context:
             check(cydriver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
@@ -396,19 +508,35 @@ cdef class CudaBackend(Backend):
         return check(cydriver.cuMemRelease(<cydriver.CUmemGenericAllocationHandle>handle), "cuMemRelease")
 
     cdef int _map(self, uintptr_t address, size_t size_bytes, uint64_t handle) except -1 nogil:
+        if self.faults_armed and self._injected_fault(_FAULT_MAP) == _OOM:
+            return _OOM
         self._bind()
-        return check(cydriver.cuMemMap(<cydriver.CUdeviceptr>address, size_bytes, 0,
-                                       <cydriver.CUmemGenericAllocationHandle>handle, 0), "cuMemMap")
+        return check_oom(cydriver.cuMemMap(<cydriver.CUdeviceptr>address, size_bytes, 0,
+                                           <cydriver.CUmemGenericAllocationHandle>handle, 0), "cuMemMap")
 
     cdef int _set_access(self, uintptr_t address, size_t size_bytes, bint writable) except -1 nogil:
+        if self.faults_armed and self._injected_fault(_FAULT_SET_ACCESS) == _OOM:
+            return _OOM
         self._bind()
-        return check(cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>address, size_bytes,
-                                             &self.access_rw if writable else &self.access_ro, 1),
-                     "cuMemSetAccess")
+        return check_oom(cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>address, size_bytes,
+                                                 &self.access_rw if writable else &self.access_ro, 1),
+                         "cuMemSetAccess")
 
-    cdef int _unmap(self, uintptr_t address, size_t size_bytes) except -1 nogil:
-        self._bind()
-        return check(cydriver.cuMemUnmap(<cydriver.CUdeviceptr>address, size_bytes), "cuMemUnmap")
+    cdef int _unmap_status(self, uintptr_t address, size_t size_bytes) noexcept nogil:
+        # A CudaBackend exists only after a successful driver probe, so cydriver cannot raise here.
+        cdef cydriver.CUcontext current = NULL
+        cdef cydriver.CUresult res
+        if self.faults_armed and self._fault_fires(_FAULT_UNMAP):
+            return <int>cydriver.CUDA_ERROR_UNKNOWN
+        res = cydriver.cuCtxGetCurrent(&current)
+        if res == cydriver.CUDA_SUCCESS and current != self.context:
+            res = cydriver.cuCtxSetCurrent(self.context)
+        if res == cydriver.CUDA_SUCCESS:
+            res = cydriver.cuMemUnmap(<cydriver.CUdeviceptr>address, size_bytes)
+        return <int>res
+
+    cdef object _unmap_error(self, int code):
+        return DriverError("cuMemUnmap", code, _cuda_error_name(<cydriver.CUresult>code))
 
     cdef int _record_fence(self, uintptr_t stream, uintptr_t* fence) except -1 nogil:
         cdef cydriver.CUevent event = NULL
@@ -419,7 +547,9 @@ cdef class CudaBackend(Backend):
         return 0
 
     cdef int _fence_done(self, uintptr_t fence) except -1 nogil:
-        cdef cydriver.CUresult res = cydriver.cuEventQuery(<cydriver.CUevent>fence)
+        cdef cydriver.CUresult res
+        self._check_live()
+        res = cydriver.cuEventQuery(<cydriver.CUevent>fence)
         if res == cydriver.CUDA_ERROR_NOT_READY:
             return 0
         check(res, "cuEventQuery")
@@ -437,7 +567,8 @@ cdef class CudaBackend(Backend):
 
     def memset(self, uintptr_t address, unsigned char value, size_t size_bytes):
         """Fill device memory synchronously (tests)."""
-        self._bind()
+        with nogil:
+            self._bind()
         check(cydriver.cuMemsetD8(<cydriver.CUdeviceptr>address, value, size_bytes), "cuMemsetD8")
         check(cydriver.cuCtxSynchronize(), "cuCtxSynchronize")
 
@@ -486,8 +617,10 @@ cdef class HostBackend(Backend):
 
     cdef int _reserve(self, size_t size_bytes, uintptr_t* address) except -1 nogil:
         cdef size_t span = size_bytes + self.granularity
-        cdef void* raw = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
+        cdef void* raw
         cdef uintptr_t start, aligned
+        self._check_live()
+        raw = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0)
         check_os(raw == MAP_FAILED, "mmap(reserve)")
         start = <uintptr_t>raw
         aligned = (start + self.granularity - 1) // self.granularity * self.granularity
@@ -499,11 +632,13 @@ cdef class HostBackend(Backend):
         return 0
 
     cdef int _free_range(self, uintptr_t address, size_t size_bytes) except -1 nogil:
+        self._check_live()
         return check_os(munmap(<void*>address, size_bytes) != 0, "munmap")
 
     cdef int _create(self, size_t size_bytes, uint64_t* handle) except -1 nogil:
         cdef Py_ssize_t i
         cdef uint64_t offset
+        self._check_live()
         pthread_mutex_lock(&self._lock)
         if self.physical_bytes + size_bytes > self.capacity_bytes:
             pthread_mutex_unlock(&self._lock)
@@ -533,6 +668,7 @@ cdef class HostBackend(Backend):
     cdef int _release(self, uint64_t handle, size_t size_bytes) except -1 nogil:
         cdef uint64_t offset = handle - 1
         cdef void* grown
+        self._check_live()      # a child must never punch a hole in the memfd it shares with its parent
         check_os(fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, <long>offset, <long>size_bytes) != 0,
                  "fallocate(PUNCH_HOLE)")
         pthread_mutex_lock(&self._lock)
@@ -556,19 +692,38 @@ cdef class HostBackend(Backend):
         return 0
 
     cdef int _map(self, uintptr_t address, size_t size_bytes, uint64_t handle) except -1 nogil:
-        cdef void* got = mmap(<void*>address, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
-                              self.fd, <long>(handle - 1))
+        cdef void* got
+        if self.faults_armed and self._injected_fault(_FAULT_MAP) == _OOM:
+            return _OOM
+        self._check_live()
+        got = mmap(<void*>address, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                   self.fd, <long>(handle - 1))
+        if got == MAP_FAILED and errno == ENOMEM:
+            return _OOM         # out of mappings (vm.max_map_count) or memory; the address is unchanged
         return check_os(got == MAP_FAILED, "mmap(map)")
 
     cdef int _set_access(self, uintptr_t address, size_t size_bytes, bint writable) except -1 nogil:
+        cdef int failed
+        if self.faults_armed and self._injected_fault(_FAULT_SET_ACCESS) == _OOM:
+            return _OOM
+        self._check_live()
         if writable:
             return 0
-        return check_os(mprotect(<void*>address, size_bytes, PROT_READ) != 0, "mprotect")
+        failed = mprotect(<void*>address, size_bytes, PROT_READ) != 0
+        if failed and errno == ENOMEM:
+            return _OOM
+        return check_os(failed, "mprotect")
 
-    cdef int _unmap(self, uintptr_t address, size_t size_bytes) except -1 nogil:
-        cdef void* got = mmap(<void*>address, size_bytes, PROT_NONE,
-                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
-        return check_os(got == MAP_FAILED, "mmap(unmap)")
+    cdef int _unmap_status(self, uintptr_t address, size_t size_bytes) noexcept nogil:
+        cdef void* got
+        if self.faults_armed and self._fault_fires(_FAULT_UNMAP):
+            return EIO
+        got = mmap(<void*>address, size_bytes, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0)
+        return errno if got == MAP_FAILED else 0
+
+    cdef object _unmap_error(self, int code):
+        return DriverError("mmap(unmap)", code, _os.strerror(code))
 
     cdef int _free_physical_bytes(self, size_t* free_bytes) except -1 nogil:
         pthread_mutex_lock(&self._lock)

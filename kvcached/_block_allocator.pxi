@@ -67,11 +67,14 @@ cdef class BlockAllocator:
     non-empty buckets — rather than a heap or a sorted list — so that best fit and "emptiest
     page" are a bit scan and every step is O(1) (Note [Block placement]).
 
-    Thread-safe: one lock, see Note [Allocator locks].
+    Thread-safe: one lock, see Note [Allocator locks]. After close(), and in a forked child,
+    every method raises KVCachedError (Note [Fork and close]).
     """
 
     def __cinit__(self, *args, **kwargs):
         pthread_mutex_init(&self.lock, NULL)
+        self.live_token = _live_token()
+        self.creator_pid = getpid()
 
     def __init__(self, PageAllocator pages not None, page_first_block, page_num_blocks, int64_t id_to_page_num,
                  int64_t id_to_page_den, int64_t max_block_id):
@@ -221,7 +224,42 @@ cdef class BlockAllocator:
         free(self.bucket_bits)
         free(self.held)
         free(self.page_buf)
-        pthread_mutex_destroy(&self.lock)
+        if getpid() == self.creator_pid:      # in a forked child the lock may be held by a lost thread
+            pthread_mutex_destroy(&self.lock)
+
+    cdef int _raise_unusable(self) except -1:
+        if self.live_token == _TOKEN_CLOSED and getpid() != self.creator_pid:
+            _raise_unusable("kvcached allocator (BlockAllocator)", 0, self.creator_pid, "")
+        return _raise_unusable(
+            "kvcached allocator (BlockAllocator)", self.live_token, self.creator_pid,
+            "its manager was closed or kvcached shut down: nothing can be allocated or freed through it; "
+            "make a new manager (get_kv_cache_manager or KVCacheManager).")
+
+    @property
+    def lifecycle(self) -> str:
+        """"live", "closed" (close() was called) or "forked" (inherited by a forked child)."""
+        return _lifecycle_name(self.live_token)
+
+    def close(self):
+        """Free every allocated and held block, then close the page allocator (stop its thread,
+        unmap its pool and pending pages, drop its budget gate). Afterwards every method raises
+        KVCachedError; ids handed out before are no longer this allocator's. Idempotent; does
+        nothing in a forked child (Note [Fork and close]). Raises the first failure of the
+        teardown, the allocator closed all the same. Holds the lock throughout, so a call racing
+        with close() either finishes before it or sees the allocator closed."""
+        if self.live_token != _fork_generation:
+            return
+        self._lock()
+        try:
+            if self.live_token != _fork_generation:
+                return
+            self.live_token = _TOKEN_CLOSED
+            try:
+                self._clear_locked()
+            finally:
+                self.pages.close()
+        finally:
+            pthread_mutex_unlock(&self.lock)
 
     # -- buckets of partially used pages, by free count (under lock) -------------------------
     cdef void _bucket_insert(self, int32_t page_id, int count) noexcept nogil:
@@ -408,6 +446,12 @@ cdef class BlockAllocator:
         return 0
 
     # -- lock helpers (Note [Allocator locks]) -------------------------------------------------
+    cdef int _check_not_forked(self) except -1:
+        # read-only surfaces (stats, checks) still answer on a closed allocator, never in a child
+        if self.live_token != _fork_generation and (self.live_token != _TOKEN_CLOSED or getpid() != self.creator_pid):
+            self._raise_unusable()
+        return 0
+
     cdef int _lock(self) except -1:
         # uncontended: take it without dropping the GIL; else wait with the GIL released
         if pthread_mutex_trylock(&self.lock) != 0:
@@ -438,6 +482,8 @@ cdef class BlockAllocator:
                     self.pages.return_pages(ne, self.page_buf)
         finally:
             pthread_mutex_unlock(&self.lock)
+        if rc == _BAD_ID and self.live_token != _fork_generation:
+            self._raise_unusable()           # closed while this call waited for the lock
         if rc == _BAD_ID:
             why = ("is not a block id of this allocator (out of range, or straddling two pages)",
                    "is not allocated (never allocated, already freed, or held by try_to_reserve)",
@@ -455,6 +501,8 @@ cdef class BlockAllocator:
         cdef int32_t stack_ids[_STACK_IDS]
         cdef int32_t* out = stack_ids
         cdef int rc, i, count
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
         count = n if PyLong_CheckExact(n) else _index(n)
         if count <= 0:
             if count < 0:
@@ -484,6 +532,8 @@ cdef class BlockAllocator:
     def alloc_into(self, buf) -> bool:
         """Fill a caller's contiguous int32 buffer (numpy array, CPU tensor, array.array) with
         len(buf) distinct ids: True, or False with nothing changed (buffer contents undefined)."""
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
         cdef int32_t[::1] view = _int32_view_source(buf)
         cdef int n = <int>view.shape[0]
         if n == 0:
@@ -498,6 +548,8 @@ cdef class BlockAllocator:
         cdef int32_t* buf = stack_ids
         cdef Py_ssize_t n, i
         cdef long long v
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
         if not isinstance(ids, list):
             ids = list(ids)
         n = PyList_GET_SIZE(ids)
@@ -523,19 +575,28 @@ cdef class BlockAllocator:
 
     def free_from(self, buf):
         """free() for a contiguous int32 buffer (numpy array, CPU tensor), without Python ints."""
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
         cdef const int32_t[::1] view = _int32_view_source(buf)
         if view.shape[0]:
             self._run_free(<int>view.shape[0], &view[0])
 
-    def available_blocks(self) -> int:
+    def available_blocks(self, max_new_pages=-1) -> int:
         """Blocks alloc could hand out now: held ones, free slots in owned pages, and the blocks
-        of the pages the page allocator could deliver (pool + lowest free ids, within the limit
-        and the free physical memory figure). alloc(available_blocks()) succeeds and
+        of the pages the page allocator could deliver (pool + lowest free ids, within the limit,
+        the free physical memory figure and `max_new_pages`: at most that many pages beyond the
+        ones already mapped, -1 no cap — a manager under a global budget passes the budget's
+        free bytes // page bytes). alloc(available_blocks()) succeeds and
         alloc(available_blocks() + 1) returns None when nothing changes in between (exact on the
-        host backend; on CUDA, pages whose unmap is pending are not counted). O(log pages)."""
-        cdef int64_t total
+        host backend; on CUDA, pages whose unmap is pending are not counted). O(log pages).
+        Raises KVCachedConfigError for a max_new_pages below -1 or not an integer."""
+        cdef int64_t total, cap = -1
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
+        if max_new_pages is not -1:
+            cap = _max_new_pages(max_new_pages)
         self._lock()
-        total = self.num_held + self.partial_free + self.pages.available_weight(True)
+        total = self.num_held + self.partial_free + self.pages.available_weight(True, cap)
         pthread_mutex_unlock(&self.lock)
         return total
 
@@ -545,6 +606,8 @@ cdef class BlockAllocator:
         Note [try_to_reserve]. Raises TypeError for an n that is not an integer."""
         cdef int32_t* out
         cdef int rc, i
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
         cdef int count = _index(n)
         if count < 0:
             raise ValueError(f"try_to_reserve(n={count}): n must be >= 0")
@@ -577,6 +640,8 @@ cdef class BlockAllocator:
         cdef int64_t i, n
         cdef int ne = 0
         cdef int64_t bad[2]
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
         self._lock()
         try:
             n = self.num_held
@@ -594,13 +659,21 @@ cdef class BlockAllocator:
 
     def clear(self):
         """Free every allocated and held block. O(blocks of owned pages)."""
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
+        self._lock()
+        try:
+            self._clear_locked()
+        finally:
+            pthread_mutex_unlock(&self.lock)
+
+    cdef int _clear_locked(self) except -1:
         cdef int32_t* ids = <int32_t*>malloc(max(1, self.total_blocks) * sizeof(int32_t))
         cdef int64_t n = 0, b
         cdef int p, ne = 0
         cdef int64_t bad[2]
         if ids == NULL:
             raise MemoryError
-        self._lock()
         try:
             for p in range(self.num_pages):
                 if self.page_owned[p]:
@@ -618,12 +691,14 @@ cdef class BlockAllocator:
                     with nogil:
                         self.pages.return_pages(ne, self.page_buf)
         finally:
-            pthread_mutex_unlock(&self.lock)
             free(ids)
+        return 0
 
     def resize(self, int num_pages) -> bool:
         """PageAllocator.resize under this allocator's lock: False (nothing changed) when pages
         holding live or held blocks lie at or above num_pages."""
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
         self._lock()
         try:
             return self.pages.resize(num_pages)
@@ -632,6 +707,8 @@ cdef class BlockAllocator:
 
     def trim(self):
         """Unmap the page allocator's pool and release cached handles."""
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
         self.pages.trim()
 
     @property
@@ -641,6 +718,8 @@ cdef class BlockAllocator:
     def page_occupancy(self, page_ids=None) -> dict:
         """{page_id: (live blocks incl. held, blocks the page holds)} for owned pages (or the
         given ones)."""
+        if self.live_token != _fork_generation:
+            self._raise_unusable()
         result = {}
         self._lock()
         try:
@@ -656,7 +735,9 @@ cdef class BlockAllocator:
         return result
 
     def stats(self) -> dict:
-        """Block counts and counters, with the page allocator's stats under "pages"."""
+        """Block counts and counters, with the page allocator's stats under "pages". Answers on a
+        closed allocator (the final figures); raises KVCachedError in a forked child."""
+        self._check_not_forked()
         self._lock()
         try:
             result = {
@@ -674,6 +755,7 @@ cdef class BlockAllocator:
         import numpy as np
         arr = np.empty(self.max_block_id, dtype=np.uint8)
         cdef uint8_t[::1] v = arr
+        self._check_not_forked()
         self._lock()
         if self.max_block_id:
             memcpy(&v[0], self.block_state, self.max_block_id)
@@ -689,6 +771,7 @@ cdef class BlockAllocator:
         import numpy as np
         cdef int P = self.num_pages, p, f
         cdef int32_t q
+        self._check_not_forked()
         self._lock()
         try:
             state = np.array(<uint8_t[:max(1, self.max_block_id)]>self.block_state)[:self.max_block_id].copy()

@@ -16,6 +16,13 @@ cdef extern from "<pthread.h>" nogil:
 cdef enum:
     _MAX_CACHED_HANDLES = 256
 
+cdef enum:
+    # Backend fault injection (tests): the primitives that can be made to fail
+    _FAULT_MAP = 0
+    _FAULT_SET_ACCESS = 1
+    _FAULT_UNMAP = 2
+    _NUM_FAULT_OPS = 3
+
 
 cdef class Backend:
     cdef pthread_mutex_t _lock                  # guards the cache, the counters, fault_countdown
@@ -32,25 +39,38 @@ cdef class Backend:
     cdef readonly uint64_t num_releases         # physical handles released
     cdef readonly uint64_t num_cache_hits       # acquisitions served from the cache
     cdef int64_t fault_countdown                # -1 off; 0: every acquisition reports _OOM
+    cdef bint faults_armed                      # some fault_times[op] != 0: the primitives count calls
+    cdef int64_t fault_after[_NUM_FAULT_OPS]    # successful calls of op before the next injected failure
+    cdef int64_t fault_times[_NUM_FAULT_OPS]    # failures of op still to inject; -1 forever, 0 off
+    cdef bint fault_oom[_NUM_FAULT_OPS]         # inject out of memory (_OOM) rather than a DriverError
+    cdef readonly bint integrated_memory        # device memory is host memory (CU_DEVICE_ATTRIBUTE_INTEGRATED)
+    cdef uint64_t live_token                    # == _fork_generation while usable; Note [Fork and close]
+    cdef int creator_pid                        # process that made it (for the forked-child message)
 
-    # primitives (subclasses); each raises on failure, _create returns _OOM when out of memory
+    # primitives (subclasses); each raises on failure; _create, _map and _set_access return _OOM
+    # when out of memory (nothing changed), _unmap raises (the mapping stays)
     cdef int _reserve(self, size_t size_bytes, uintptr_t* address) except -1 nogil
     cdef int _free_range(self, uintptr_t address, size_t size_bytes) except -1 nogil
     cdef int _create(self, size_t size_bytes, uint64_t* handle) except -1 nogil
     cdef int _release(self, uint64_t handle, size_t size_bytes) except -1 nogil
     cdef int _map(self, uintptr_t address, size_t size_bytes, uint64_t handle) except -1 nogil
     cdef int _set_access(self, uintptr_t address, size_t size_bytes, bint writable) except -1 nogil
-    cdef int _unmap(self, uintptr_t address, size_t size_bytes) except -1 nogil
+    cdef int _unmap_status(self, uintptr_t address, size_t size_bytes) noexcept nogil  # 0, or errno / CUresult: the mapping stays
+    cdef object _unmap_error(self, int code)    # the DriverError for a code _unmap_status returned
     cdef int _record_fence(self, uintptr_t stream, uintptr_t* fence) except -1 nogil
     cdef int _fence_done(self, uintptr_t fence) except -1 nogil       # 1 done, 0 not yet
     cdef int _release_fence(self, uintptr_t fence) except -1 nogil
     cdef int _free_physical_bytes(self, size_t* free_bytes) except -1 nogil
     # shared
+    cdef int _unmap(self, uintptr_t address, size_t size_bytes) except -1 nogil   # _unmap_status, raising
     cdef int acquire_handle(self, size_t size_bytes, uint64_t* handle) except -1 nogil   # 0 / _OOM
     cdef int recycle_handle(self, uint64_t handle, size_t size_bytes) except -1 nogil
     cdef int _release_counted(self, uint64_t handle, size_t size_bytes) except -1 nogil
     cdef int release_cached_handles(self) except -1 nogil
     cdef int check_aligned(self, size_t value, str what) except -1
+    cdef int _check_live(self) except -1 nogil                 # raises in a forked child
+    cdef int _injected_fault(self, int op) except -1 nogil     # 0 / _OOM, or raises; tests only
+    cdef int _fault_fires(self, int op) noexcept nogil         # 0 run, 1 error, 2 out of memory; tests only
 
 
 cdef class CudaBackend(Backend):
@@ -79,11 +99,19 @@ cdef class VirtualRange:
     cdef readonly uintptr_t address             # base; never changes for the range's life
     cdef readonly size_t size_bytes
     cdef bint freed                             # reservation given back
+    cdef uint64_t live_token                    # Note [Fork and close]
     @staticmethod
     cdef VirtualRange _wrap(Backend backend, uintptr_t address, size_t size_bytes)
 
 
 cdef class PageTable:
+    cdef pthread_mutex_t lock                   # serialises map_pages / unmap_pages / close; waited on without the GIL
+    cdef uint64_t live_token                    # Note [Fork and close]; _TOKEN_CLOSED after close()
+    cdef int creator_pid
+    cdef readonly uint64_t num_rollback_failures  # undo steps of failed maps that failed too
+    cdef readonly object last_rollback_error    # the latest of them
+    cdef readonly uint64_t num_unmap_failures   # segment unmaps the driver refused (the segment stayed mapped)
+    cdef readonly object last_unmap_error       # the latest of them
     cdef readonly Backend backend
     cdef readonly int num_pages                 # page ids are [0, num_pages)
     cdef readonly int num_segments              # mappings per page id
@@ -93,14 +121,19 @@ cdef class PageTable:
     cdef list ranges                            # keeps the segments' ranges alive
     cdef uintptr_t* segment_base                # segment i of page p is at segment_base[i] + p * map_bytes
     cdef uint64_t* handles                      # [page * num_segments + segment]; 0 = none
-    cdef uint8_t* mapped                        # per page id: 1 mapped
+    cdef uint8_t* mapped                        # per page id: 0 unmapped, 1 mapped, 2 partly unmapped after a failure (unmap only)
     cdef uint64_t zero_handle                   # the shared zero page (0 when zero_page is off)
     cdef int map_pages(self, const int32_t* page_ids, int n) except -1 nogil    # 0 / _OOM; all or nothing
-    cdef int unmap_pages(self, const int32_t* page_ids, int n) except -1 nogil
+    cdef int unmap_pages(self, const int32_t* page_ids, int n) except -1 nogil  # stops at the first failure
+    cdef int _check_usable(self) except -1 nogil                                # raises when closed / forked
     cdef int _map_forward(self, const int32_t* page_ids, int n, int* pages_done, int* segments_done, int* stage) except -1 nogil
-    cdef void _map_rollback(self, const int32_t* page_ids, int pages_done, int segments_done, int stage) noexcept nogil
+    cdef int _undo_map(self, const int32_t* page_ids, int pages_done, int segments_done, int stage, int cached_before, bint raising) except -1 nogil
+    cdef int _map_rollback(self, const int32_t* page_ids, int pages_done, int segments_done, int stage) except -1   # GIL held
+    cdef object _unmap_segment_caught(self, int32_t page_id, int segment, object first)
+    cdef bint _page_has_handles(self, int32_t page_id) noexcept nogil
     cdef int _unmap_segment(self, int32_t page_id, int segment) except -1 nogil
-    cdef void _remap_zero(self, uintptr_t address) noexcept nogil
+    cdef int _remap_zero(self, uintptr_t address) except -1 nogil
+    cdef int _close_locked(self) except -1
     cdef int _small_ids(self, page_ids, bint want_mapped, int32_t* out) except -2
     cdef object _checked_ids(self, page_ids, bint want_mapped)
 
@@ -156,6 +189,8 @@ cdef enum:
 
 
 cdef class PageAllocator:
+    cdef uint64_t live_token                    # Note [Fork and close]; _TOKEN_CLOSED after close()
+    cdef int creator_pid
     cdef readonly PageTable table
     cdef readonly Backend backend
     cdef pthread_mutex_t lock                   # state lock: everything below; never held across a driver or Python call
@@ -196,6 +231,8 @@ cdef class PageAllocator:
     cdef int batch_head                         # index of the oldest batch
     cdef int num_batches                        # batches in the ring
     cdef int32_t* scratch                       # ids being unmapped; used only by the holder of map_lock
+    cdef int32_t* retry_ids                     # pending ids (no fence) whose unmap failed: unmapped again by _drain
+    cdef int num_retry                          # ids in retry_ids (also counted in num_pending)
     cdef size_t phys_snapshot                   # backend's free physical bytes when last asked
     cdef size_t phys_base                       # backend.physical_bytes at that moment
     cdef double phys_time                       # monotonic seconds of that snapshot
@@ -214,6 +251,7 @@ cdef class PageAllocator:
     # counters
     cdef uint64_t num_maps, num_unmaps, num_pool_hits, num_slow_path, num_oom
     cdef uint64_t num_fences, num_idle_trims, num_refills
+    cdef uint64_t num_unmap_failures            # page unmaps the driver refused (each retried later)
 
     # the data path (callers: BlockAllocator, the manager); see each docstring for its locks
     cdef int take_pages(self, int n, int32_t* out) except -1 nogil                    # 0 / _OOM
@@ -221,7 +259,7 @@ cdef class PageAllocator:
     cdef int take_pool(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil  # 0 / _NEED_SLOW
     cdef int return_pages(self, int n, const int32_t* ids) except -1 nogil
     cdef int return_pages_fast(self, int n, const int32_t* ids) noexcept nogil        # 0 / _NEED_SLOW
-    cdef int64_t available_weight(self, bint by_weight) noexcept nogil
+    cdef int64_t available_weight(self, bint by_weight, int64_t max_new_pages) noexcept nogil
     # internals
     cdef int _take(self, int64_t need, bint by_weight, int32_t* out, int* n_out) except -1 nogil
     cdef int _take_pool_locked(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil
@@ -231,6 +269,10 @@ cdef class PageAllocator:
     cdef int _fw_count_for_weight(self, int64_t need) noexcept nogil
     cdef int64_t _fw_weight_of_lowest(self, int k) noexcept nogil
     cdef void _release_page(self, int32_t page_id) noexcept nogil
+    cdef void _queue_retry(self, int32_t page_id) noexcept nogil
+    cdef int _settle_failed_map(self, int n, const int32_t* ids) noexcept nogil
+    cdef int _check_usable(self) except -1 nogil                # raises when closed / forked
+    cdef int _check_not_forked(self) except -1                  # raises in a forked child
     cdef int _drain(self, bint wait_all) except -1 nogil
     cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil
     cdef int _pool_out(self, int keep, int below) except -1 nogil
@@ -246,6 +288,8 @@ cdef class PageAllocator:
 
 
 cdef class BlockAllocator:
+    cdef uint64_t live_token                    # Note [Fork and close]; _TOKEN_CLOSED after close()
+    cdef int creator_pid
     cdef readonly PageAllocator pages
     cdef pthread_mutex_t lock                   # guards everything below; see Note [Allocator locks]
     cdef readonly int num_pages                 # the page table's page ids
@@ -288,5 +332,8 @@ cdef class BlockAllocator:
     cdef int _bucket_highest(self) noexcept nogil
     cdef int _take_from(self, int32_t page_id, int k, int32_t* out) noexcept nogil
     cdef int _lock(self) except -1                                                   # GIL held
+    cdef int _raise_unusable(self) except -1                                         # always raises KVCachedError
+    cdef int _check_not_forked(self) except -1
+    cdef int _clear_locked(self) except -1
     cdef int _run_alloc(self, int n, int32_t* out, bint use_held) except -1          # 0 / _OOM; GIL held
     cdef int _run_free(self, int n, const int32_t* ids) except -1                    # raises BlockStateError; GIL held

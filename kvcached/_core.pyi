@@ -68,6 +68,8 @@ class _PageAllocatorStats(TypedDict):
     num_pool_waits: int
     pages_taken: int
     refill_target: int
+    unmap_retries: int
+    num_unmap_failures: int
 
 class _BlockAllocatorStats(TypedDict):
     """BlockAllocator.stats(): block counts and counters, the page allocator's under "pages"."""
@@ -91,6 +93,12 @@ def cuda_unavailable_reason() -> str | None:
 
 def cuda_device_count() -> int:
     """Number of CUDA devices; 0 when the driver is unavailable."""
+
+def fork_generation() -> int:
+    """Forks between this process and the one that loaded kvcached (0 there); objects made in an
+    earlier generation are unusable here (their ``lifecycle`` is "forked")."""
+
+_Lifecycle: TypeAlias = Literal["live", "closed", "forked"]
 
 # -- backends ------------------------------------------------------------------------------------
 
@@ -125,6 +133,12 @@ class Backend:
     @property
     def num_cache_hits(self) -> int:
         """Handle acquisitions served from the cache, ever."""
+    @property
+    def integrated_memory(self) -> bool:
+        """Device memory is host memory (CU_DEVICE_ATTRIBUTE_INTEGRATED); False for the host backend."""
+    @property
+    def lifecycle(self) -> Literal["live", "forked"]:
+        """"forked" when inherited by a forked child: then every method raises KVCachedError."""
 
     def reserve(self, size_bytes: int) -> VirtualRange:
         """Reserve a virtual range of `size_bytes` (multiple of granularity); raises MappingError if not."""
@@ -133,13 +147,13 @@ class Backend:
     def release(self, handle: int, size_bytes: int) -> None:
         """Release a handle made by create(), cache bypassed; raises MappingError for handle 0 or a bad size."""
     def map(self, address: int, size_bytes: int, handle: int, writable: bool = True) -> None:
-        """Map `handle` at `address` (bytes, granularity-aligned) and set its access."""
+        """Map `handle` at `address` (bytes, granularity-aligned) and set its access; raises OutOfDeviceMemory."""
     def map_only(self, address: int, size_bytes: int, handle: int) -> None:
-        """Map without setting access (benchmarks time the two steps apart)."""
+        """Map without setting access (benchmarks time the two steps apart); raises OutOfDeviceMemory."""
     def set_access(self, address: int, size_bytes: int, writable: bool = True) -> None:
-        """Set read-write (or read-only) access on a mapped span (no docstring in the source)."""
+        """Set read-write (or read-only) access on a mapped span; raises OutOfDeviceMemory."""
     def unmap(self, address: int, size_bytes: int) -> None:
-        """Unmap a mapped span; the handle stays alive (no docstring in the source)."""
+        """Unmap a mapped span; the handle stays alive; raises DriverError (the mapping stays)."""
     def acquire(self, size_bytes: int) -> int | None:
         """A handle of `size_bytes` through the cache; None when out of memory."""
     def recycle(self, handle: int, size_bytes: int) -> None:
@@ -158,6 +172,10 @@ class Backend:
         """Physical bytes this backend could still create (a driver/syscall query: not hot)."""
     def inject_out_of_memory(self, after: int) -> None:
         """Fault injection: acquisitions after `after` more successes report out of memory; -1 turns it off."""
+    def inject_fault(self, op: Literal["map", "set_access", "unmap"], after: int, times: int = 1,
+                     oom: bool = False) -> None:
+        """Fault injection (tests): after `after` more successful `op` calls the next `times` (-1: all) fail,
+        with DriverError or (oom=True, map/set_access) out of memory; after=-1 disarms `op`."""
     def stats(self) -> _BackendStats:
         """Counters: creates, releases, cache hits, physical and cached bytes, cached handles."""
 
@@ -214,7 +232,7 @@ class VirtualRange:
 
 @disjoint_base
 class PageTable:
-    """Maps the page ids of one KV group through a backend, all or nothing; not thread-safe."""
+    """Maps the page ids of one KV group through a backend, all or nothing; thread-safe (one lock)."""
 
     def __init__(
         self,
@@ -249,11 +267,27 @@ class PageTable:
     @property
     def page_bytes(self) -> int:
         """Physical bytes one page id maps, over all its segments."""
+    @property
+    def lifecycle(self) -> _Lifecycle:
+        """"closed" after close() (map raises), "forked" in a forked child (everything raises)."""
+    @property
+    def num_rollback_failures(self) -> int:
+        """Undo steps of failed maps that failed too, ever."""
+    @property
+    def last_rollback_error(self) -> BaseException | None:
+        """The latest of them."""
+    @property
+    def num_unmap_failures(self) -> int:
+        """Segment unmaps the driver refused (the segment stayed mapped, to be unmapped again), ever."""
+    @property
+    def last_unmap_error(self) -> BaseException | None:
+        """The latest of them."""
 
     def map(self, page_ids: _PageIds) -> bool:
-        """Map the page ids, all or nothing; False (nothing changed) when out of memory."""
+        """Map the page ids, all or nothing; False (nothing changed) when out of memory; KVCachedError when closed."""
     def unmap(self, page_ids: _PageIds) -> None:
-        """Unmap the page ids; raises MappingError (nothing changed) for an id out of range, repeated or unmapped."""
+        """Unmap the page ids; MappingError (nothing changed) for an id out of range, repeated or unmapped;
+        DriverError when the driver refused some (those stay mapped: unmap them again)."""
     def driver_floor(self, page_id: int, repeats: int = 50) -> dict[str, list[float]]:
         """Benchmark hook: µs per pass under "raw_map_us", "raw_unmap_us", "primitives_map_us"."""
     def is_mapped(self, page_id: int) -> bool:
@@ -263,7 +297,7 @@ class PageTable:
     def segment_addresses(self, page_id: int) -> list[int]:
         """Where each mapping of `page_id` lies (addresses)."""
     def close(self) -> None:
-        """Unmap every page id and release the zero page; the table is empty afterwards."""
+        """Unmap every page id and the zero page, then close (map raises KVCachedError); idempotent; no-op in a forked child."""
     def check_invariants(self) -> None:
         """O(pages · segments) consistency check; raises AssertionError."""
 
@@ -319,9 +353,12 @@ class PageAllocator:
     """CUstream (as int) the fences of returned pages are recorded on."""
     last_error: BaseException | None
     """Last exception the background thread caught, or None."""
+    @property
+    def lifecycle(self) -> _Lifecycle:
+        """"closed" after close(), "forked" in a forked child: then methods raise KVCachedError."""
 
-    def available_pages(self) -> int:
-        """Pages take() could deliver now (pool + what free ids, memory and limit allow); O(1)."""
+    def available_pages(self, max_new_pages: SupportsIndex = -1) -> int:
+        """Pages take() could deliver now (pool + what free ids, memory, limit and max_new_pages allow); O(1)."""
     def take(self, n: int) -> list[int] | None:
         """n mapped page ids, or None (nothing changed) when out of memory / over the limit."""
     def give_back(self, page_ids: _PageIds) -> None:
@@ -348,11 +385,11 @@ class PageAllocator:
     def start(self) -> None:
         """Start the background thread (daemon); no-op when it runs."""
     def stop(self) -> None:
-        """Stop the background thread and wait for it."""
+        """Stop the background thread and wait for it; no-op in a forked child."""
     def close(self) -> None:
-        """Stop the thread, wait for pending fences, unmap the pool; pages in use stay mapped."""
+        """Stop the thread, unmap pool and pending pages, drop the gate, then closed; idempotent; no-op in a forked child."""
     def stats(self) -> _PageAllocatorStats:
-        """A consistent snapshot of the counts and counters (taken under one lock)."""
+        """A consistent snapshot of the counts and counters (taken under one lock); answers when closed."""
     def page_states(self) -> NDArray[np.uint8]:
         """Copy of every page id's state: 0 outside, 1 free, 2 pool, 3 used, 4 pending, 5 transit."""
     def check_invariants(self) -> Literal[True]:
@@ -408,7 +445,13 @@ class BlockAllocator:
         """Free block ids in pages taken from the page allocator (no docstring in the source)."""
     debug_checks: bool
     """Run check_invariants() after every public call."""
+    @property
+    def lifecycle(self) -> _Lifecycle:
+        """"closed" after close(), "forked" in a forked child: then methods raise KVCachedError."""
 
+    def close(self) -> None:
+        """Free every block and close the page allocator; then every method raises KVCachedError.
+        Idempotent; no-op in a forked child."""
     def alloc(self, n: SupportsIndex) -> list[int] | None:
         """Exactly `n` distinct block ids, or None (state unchanged) when out of memory / limit."""
     def alloc_into(self, buf: _Int32Buffer) -> bool:
@@ -417,8 +460,9 @@ class BlockAllocator:
         """Free the ids; raises BlockStateError (nothing freed) for an unknown, unallocated or repeated id."""
     def free_from(self, buf: _Int32Buffer) -> None:
         """free() for a contiguous int32 buffer, without Python ints."""
-    def available_blocks(self) -> int:
-        """Blocks alloc() could hand out now (held + free in owned pages + deliverable pages); O(log pages)."""
+    def available_blocks(self, max_new_pages: SupportsIndex = -1) -> int:
+        """Blocks alloc() could hand out now (held + free in owned pages + deliverable pages, at most
+        max_new_pages of them newly mapped; -1 no cap); O(log pages)."""
     def try_to_reserve(self, n: SupportsIndex) -> bool:
         """Hold `n` more blocks for the next allocs; False (nothing changed) when out of memory."""
     def free_reserved(self) -> None:
@@ -432,7 +476,7 @@ class BlockAllocator:
     def page_occupancy(self, page_ids: Iterable[int] | None = None) -> dict[int, tuple[int, int]]:
         """{page_id: (live blocks incl. held, blocks the page holds)} for owned (or the given) pages."""
     def stats(self) -> _BlockAllocatorStats:
-        """Block counts and counters, with the page allocator's stats under "pages"."""
+        """Block counts and counters, with the page allocator's stats under "pages"; answers when closed."""
     def block_states(self) -> NDArray[np.uint8]:
         """Copy of every block id's state: 0 free, 1 allocated, 2 invalid, 3 held."""
     def check_invariants(self) -> Literal[True]:

@@ -1,18 +1,24 @@
 # Checked CUDA driver calls and the one-time driver probe. See Note [Driver probe].
 
+import os as _os
 import threading as _threading
+
+from kvcached.checks import as_int
 
 from kvcached.errors import (
     BlockStateError,
     DriverError,
     DriverUnavailableError,
     KVCachedConfigError,
+    KVCachedError,
     MappingError,
     OutOfDeviceMemory,
 )
 
 cdef enum:
     _OOM = 1     # the value, never an exception, that means "out of physical memory"
+
+cdef int64_t _MAX_NEW_PAGES = (<int64_t>1) << 62
 
 cdef object _probe_result = None      # None: not probed yet; "" usable; else why not
 cdef object _probe_lock = _threading.Lock()
@@ -84,6 +90,67 @@ def cuda_device_count():
         return 0
     check(cydriver.cuDeviceGetCount(&count), "cuDeviceGetCount")
     return count
+
+# -- process lifecycle: live, closed, or inherited by a forked child. See Note [Fork and close]. --
+
+cdef extern from "<pthread.h>" nogil:
+    int pthread_atfork(void (*prepare)() noexcept nogil, void (*parent)() noexcept nogil,
+                       void (*child)() noexcept nogil)
+
+cdef extern from "<unistd.h>" nogil:
+    int getpid()
+
+cdef uint64_t _fork_generation = 0        # forks this process descends from; bumped in each child
+cdef uint64_t _TOKEN_CLOSED = ~(<uint64_t>0)
+
+
+cdef void _after_fork_child() noexcept nogil:
+    # Runs inside fork() in the child, before any Python code: one store, nothing else.
+    global _fork_generation
+    _fork_generation += 1
+
+
+pthread_atfork(NULL, NULL, _after_fork_child)
+
+
+cdef inline uint64_t _live_token() noexcept nogil:
+    """The token of an object made now: usable while it equals _fork_generation."""
+    return _fork_generation
+
+
+cdef int _raise_unusable(str what, uint64_t token, int creator_pid, str fix) except -1:
+    """Raise the KVCachedError that says why an object whose token is stale cannot be used."""
+    if token == _TOKEN_CLOSED:
+        raise KVCachedError(f"this {what} is closed; {fix}")
+    raise KVCachedError(
+        f"this {what} was created in process {creator_pid} and is unusable in a forked child "
+        f"(process {_os.getpid()}): its memory and locks are shared with the parent, whose KV cache it "
+        f"would corrupt; create a new one after fork (init_kvcached / get_kv_cache_manager in the child).")
+
+
+cdef str _lifecycle_name(uint64_t token):
+    if token == _fork_generation:
+        return "live"
+    return "closed" if token == _TOKEN_CLOSED else "forked"
+
+
+def fork_generation() -> int:
+    """How many forks separate this process from the one that loaded kvcached (0 there)."""
+    return _fork_generation
+
+# Note [Fork and close]
+# Every object of the core that owns memory or locks (Backend, VirtualRange, PageTable,
+# PageAllocator, BlockAllocator) carries a token: the fork generation it was made in, or
+# _TOKEN_CLOSED once closed. A pthread_atfork child handler bumps the generation, so after any
+# fork (os.fork, multiprocessing, a C library) every inherited object is stale at once, with no
+# registry to walk and nothing to call from Python. Public methods compare the token first — one
+# load and compare, before any lock — and raise a KVCachedError that says what to do. In a child
+# the inherited objects must not touch anything: the host backend's pool memfd and every mapped
+# page are shared with the parent (a punched hole or a reused slot would zero or alias the
+# parent's live blocks), CUDA is unusable after fork, and a lock may have been held by a parent
+# thread that does not exist here. So close(), stop() and __dealloc__ in a child do nothing (they
+# run from at-exit handlers and garbage collection), and the cdef data paths that map, unmap,
+# create or release check the token too, so a path that slipped past a Python check still stops.
 
 # Note [Driver probe]
 # cydriver loads libcuda lazily; with no libcuda the first call *raises* (a RuntimeError), even

@@ -4,6 +4,14 @@
 cdef extern from "<unistd.h>" nogil:
     int usleep(unsigned int usec)
 
+cdef int64_t _max_new_pages(object value) except -2:
+    """The max_new_pages argument of the available_* queries: -1 (no cap) or a page count."""
+    if type(value) is int and -1 <= value <= _MAX_NEW_PAGES:
+        return value
+    return as_int(value, "max_new_pages", minimum=-1, maximum=_MAX_NEW_PAGES,
+                  hint="pass the pages that may still be mapped (e.g. budget free bytes // page bytes), or -1 for no cap")
+
+
 cdef inline double _now() noexcept nogil:
     cdef timespec ts
     clock_gettime(CLOCK_MONOTONIC, &ts)
@@ -37,6 +45,8 @@ cdef class PageAllocator:
         pthread_cond_init(&self.pool_cv, &attr)
         pthread_condattr_destroy(&attr)
         self.limit_pages = -1
+        self.live_token = _live_token()
+        self.creator_pid = getpid()
 
     def __init__(self, PageTable page_table not None, num_pages=None, int min_reserved=5, int max_reserved=10,
                  double idle_trim_s=30.0):
@@ -78,7 +88,8 @@ cdef class PageAllocator:
         self.batch_fence = <uintptr_t*>malloc(P * sizeof(uintptr_t))
         self.batch_count = <int32_t*>malloc(P * sizeof(int32_t))
         self.scratch = <int32_t*>malloc(P * sizeof(int32_t))
-        if (self.state == NULL or self.weight == NULL or self.fw_count == NULL or self.fw_weight == NULL
+        self.retry_ids = <int32_t*>malloc(P * sizeof(int32_t))
+        if (self.retry_ids == NULL or self.state == NULL or self.weight == NULL or self.fw_count == NULL or self.fw_weight == NULL
                 or self.pool == NULL or self.pend_ids == NULL or self.batch_fence == NULL
                 or self.batch_count == NULL or self.scratch == NULL):
             raise MemoryError("no memory for the page allocator")
@@ -104,12 +115,14 @@ cdef class PageAllocator:
 
     def __dealloc__(self):
         cdef int i
-        if self.batch_fence != NULL and self.backend is not None:
+        cdef bint own = getpid() == self.creator_pid     # a forked child touches nothing: Note [Fork and close]
+        if own and self.batch_fence != NULL and self.backend is not None:
             for i in range(self.num_batches):
                 try:
                     self.backend._release_fence(self.batch_fence[(self.batch_head + i) % self.num_table_pages])
                 except Exception:
                     pass
+        free(self.retry_ids)
         free(self.state)
         free(self.weight)
         free(self.fw_count)
@@ -119,10 +132,33 @@ cdef class PageAllocator:
         free(self.batch_fence)
         free(self.batch_count)
         free(self.scratch)
-        pthread_cond_destroy(&self.wake)
-        pthread_cond_destroy(&self.pool_cv)
-        pthread_mutex_destroy(&self.map_lock)
-        pthread_mutex_destroy(&self.lock)
+        if own:
+            pthread_cond_destroy(&self.wake)
+            pthread_cond_destroy(&self.pool_cv)
+            pthread_mutex_destroy(&self.map_lock)
+            pthread_mutex_destroy(&self.lock)
+
+    cdef int _check_usable(self) except -1 nogil:
+        """Raise KVCachedError when closed or in a forked child (Note [Fork and close])."""
+        if self.live_token == _fork_generation:
+            return 0
+        with gil:
+            _raise_unusable("PageAllocator", self.live_token, self.creator_pid,
+                            "its manager was closed or kvcached shut down; make a new manager.")
+        return -1
+
+    cdef int _check_not_forked(self) except -1:
+        # read-only surfaces (stats, checks) still answer on a closed allocator
+        if self.live_token != _TOKEN_CLOSED:
+            self._check_usable()
+        elif getpid() != self.creator_pid:
+            _raise_unusable("PageAllocator", 0, self.creator_pid, "")
+        return 0
+
+    @property
+    def lifecycle(self) -> str:
+        """"live", "closed" (close() was called) or "forked" (inherited by a forked child)."""
+        return _lifecycle_name(self.live_token)
 
     # -- the free set: a Fenwick tree over page ids (count and weight) -----------------------
     cdef void _fw_add(self, int32_t page_id, int sign) noexcept nogil:
@@ -277,7 +313,7 @@ cdef class PageAllocator:
         return self._take(need, True, out, n_out)
 
     cdef int _take(self, int64_t need, bint by_weight, int32_t* out, int* n_out) except -1 nogil:
-        cdef int rc = 0, np = 0, k = 0, i
+        cdef int rc = 0, np = 0, k = 0, i, unmapped
         cdef int64_t rest
         cdef int32_t p
         cdef bint finished = False, gated = False
@@ -288,8 +324,10 @@ cdef class PageAllocator:
             return 0
         if self._wait_for_refill(need, by_weight, out, n_out) == 0:
             return 0
+        self._check_usable()
         pthread_mutex_lock(&self.map_lock)
         try:
+            self._check_usable()    # closed while we waited for map_lock
             self._drain(False)
             pthread_mutex_lock(&self.lock)
             self.num_slow_path += 1
@@ -333,9 +371,6 @@ cdef class PageAllocator:
                     rc = self.table.map_pages(out + np, k)
                 finished = True
             finally:
-                if gated and (not finished or rc != 0):
-                    gated = False
-                    self._gate_release(k)
                 pthread_mutex_lock(&self.lock)
                 if finished and rc == 0:
                     for i in range(k):
@@ -343,14 +378,18 @@ cdef class PageAllocator:
                     self.num_used += k
                     self.num_maps += k
                     self.pages_taken += np + k
+                    if self.bg_running and self.num_pool < self.refill_target:
+                        pthread_cond_signal(&self.wake)     # the slow path emptied the pool: refill now
+                    unmapped = 0
                 else:
-                    for i in range(k):
-                        self._release_page(out[np + i])
+                    unmapped = self._settle_failed_map(k, out + np)
                     self.num_used -= np
                     self._unpop_pool(np, out)
                     self.num_oom += 1
                 self.num_transit -= k
                 pthread_mutex_unlock(&self.lock)
+                if gated and unmapped:
+                    self._gate_release(unmapped)
             if rc != 0:
                 self._refresh_physical()
                 return _OOM
@@ -435,32 +474,71 @@ cdef class PageAllocator:
         return 0
 
     # -- unmapping (the holder of map_lock) ---------------------------------------------------
+    cdef int _settle_failed_map(self, int n, const int32_t* ids) noexcept nogil:
+        """Ids in transit whose map failed (hold lock): each goes back to the free set, or — when
+        the undo could not unmap all of it (the table still marks it) — to the unmap retries.
+        Returns how many went back unmapped. See Note [Failed unmap]."""
+        cdef int i, unmapped = 0
+        for i in range(n):
+            if self.table.mapped[ids[i]]:
+                self._queue_retry(ids[i])
+            else:
+                self._release_page(ids[i])
+                unmapped += 1
+        return unmapped
+
+    cdef void _queue_retry(self, int32_t page_id) noexcept nogil:
+        # still mapped after a failed unmap: pending with no fence, unmapped again by _drain (under lock)
+        self.state[page_id] = _PS_PENDING
+        self.retry_ids[self.num_retry] = page_id
+        self.num_retry += 1
+        self.num_pending += 1
+
     cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil:
-        """Unmap ids in transit (hold map_lock, not lock) and put them back as free/outside."""
-        cdef int i
+        """Unmap ids in transit (hold map_lock, not lock) and put them back as free/outside; an id
+        the driver refused to unmap stays mapped and counted, queued for a retry by the next
+        drain, never lost (Note [Failed unmap]). The budget gate gets back exactly the pages
+        unmapped. Raises only for failures past the unmap itself (the ids settled the same way)."""
+        cdef int i, unmapped = 0
         if n <= 0:
             return 0
-        self.table.unmap_pages(ids, n)
-        pthread_mutex_lock(&self.lock)
-        for i in range(n):
-            self._release_page(ids[i])
-        self.num_transit -= n
-        self.num_unmaps += n
-        pthread_mutex_unlock(&self.lock)
-        self._gate_release(n)
+        try:
+            self.table.unmap_pages(ids, n)
+        finally:
+            pthread_mutex_lock(&self.lock)
+            for i in range(n):
+                if self.table.mapped[ids[i]]:
+                    self._queue_retry(ids[i])
+                else:
+                    self._release_page(ids[i])
+                    unmapped += 1
+            self.num_transit -= n
+            self.num_unmaps += unmapped
+            if unmapped < n:
+                self.num_unmap_failures += n - unmapped
+            pthread_mutex_unlock(&self.lock)
+            self._gate_release(unmapped)
         return 0
 
     cdef int _drain(self, bint wait_all) except -1 nogil:
         """Unmap pending batches, oldest first, while their fence is done; with wait_all, wait
         for every fence (polling, 50 us). Hold map_lock. Stops at the first fence not done:
-        fences of one stream complete in order."""
+        fences of one stream complete in order. Then unmaps again, once, the ids whose unmap
+        failed before (Note [Failed unmap])."""
         cdef uintptr_t fence
         cdef int c, i
         while True:
             pthread_mutex_lock(&self.lock)
             if self.num_batches == 0:
+                c = self.num_retry
+                for i in range(c):
+                    self.scratch[i] = self.retry_ids[i]
+                    self.state[self.scratch[i]] = _PS_TRANSIT
+                self.num_retry = 0
+                self.num_pending -= c
+                self.num_transit += c
                 pthread_mutex_unlock(&self.lock)
-                return 0
+                return self._unmap_ids(c, self.scratch)
             fence = self.batch_fence[self.batch_head]
             pthread_mutex_unlock(&self.lock)
             if self.backend._fence_done(fence) != 1:
@@ -547,7 +625,7 @@ cdef class PageAllocator:
         """Map up to `chunk` free ids into the pool (towards refill_target), the driver call
         outside `lock`; returns how many went into the pool (0: nothing to do, or out of memory,
         which sets bg_backoff). Takes map_lock. See Note [Background thread]."""
-        cdef int k, i, fits = 0, rc = 0
+        cdef int k, i, fits = 0, rc = 0, unmapped = 0
         cdef bint finished = False, gated = False
         cdef int32_t p
         pthread_mutex_lock(&self.map_lock)
@@ -577,8 +655,6 @@ cdef class PageAllocator:
                     rc = self.table.map_pages(self.scratch, k)
                 finished = True
             finally:
-                if gated and (not finished or rc != 0):
-                    self._gate_release(k)
                 pthread_mutex_lock(&self.lock)
                 self.refill_transit -= k
                 for i in range(k):
@@ -600,11 +676,12 @@ cdef class PageAllocator:
                     if fits:
                         pthread_cond_broadcast(&self.pool_cv)
                 else:
-                    for i in range(k):
-                        self._release_page(self.scratch[i])
+                    unmapped = self._settle_failed_map(k, self.scratch)
                     self.num_transit -= k
                     self.bg_backoff = True
                 pthread_mutex_unlock(&self.lock)
+                if gated and (not finished or rc != 0) and unmapped:
+                    self._gate_release(unmapped)
             if rc != 0:
                 self._refresh_physical()
                 return 0
@@ -653,8 +730,9 @@ cdef class PageAllocator:
             want = (not self.idle_trimmed and self.num_pool < self.refill_target and self.num_free > 0
                     and (self.limit_pages < 0
                          or self.num_used + self.num_pool + self.num_transit < self.limit_pages))
-            if self.bg_backoff or not (want or self.num_batches > 0):
-                period = 0.01 if self.num_batches > 0 else 0.1
+            if self.bg_backoff or not want:
+                # pending fences and unmap retries are looked at every 10 ms, never in a busy loop
+                period = 0.01 if self.num_batches > 0 or self.num_retry > 0 else 0.1
                 if self.idle_trim_s > 0 and not self.idle_trimmed and self.num_pool > 0:
                     period = max(0.001, min(period, self.bg_active_time + self.idle_trim_s - _now()))
                 clock_gettime(CLOCK_MONOTONIC, &deadline)
@@ -741,11 +819,13 @@ cdef class PageAllocator:
                 "BlockAllocator on a fresh PageAllocator, before start().")
         return 0
 
-    cdef int64_t available_weight(self, bint by_weight) noexcept nogil:
+    cdef int64_t available_weight(self, bint by_weight, int64_t max_new_pages) noexcept nogil:
         """What take_blocks (by_weight) or take_pages could deliver now: the whole pool plus the
-        lowest free ids that the limit and the free physical memory figure allow. Counters only,
-        no driver call. Takes lock; reads the backend's two byte counters without its lock (each
-        an aligned word, and the answer is only promised while nothing changes)."""
+        lowest free ids that the limit, the free physical memory figure and `max_new_pages`
+        (>= 0; -1 no cap: pages to be newly mapped, e.g. what a global budget still allows)
+        allow. Counters only, no driver call. Takes lock; reads the backend's two byte counters
+        without its lock (each an aligned word, and the answer is only promised while nothing
+        changes)."""
         cdef int64_t free_phys, k
         cdef size_t physical, cached
         pthread_mutex_lock(&self.lock)
@@ -756,6 +836,8 @@ cdef class PageAllocator:
         if self.limit_pages >= 0:
             k = min(k, <int64_t>self.limit_pages - self.num_used - self.num_pool - self.num_transit)
         k = min(k, free_phys // <int64_t>self.page_bytes - self.refill_transit)
+        if max_new_pages >= 0:
+            k = min(k, max_new_pages)
         k = max(0, k)
         # pages the refill is mapping reach the pool, and a caller short of pages waits for them
         if by_weight:
@@ -766,12 +848,17 @@ cdef class PageAllocator:
         return k
 
     # -- Python surface -----------------------------------------------------------------------
-    def available_pages(self) -> int:
+    def available_pages(self, max_new_pages=-1) -> int:
         """Pages take_pages could deliver now: pool + min(free ids, free physical memory / page
-        bytes, limit headroom). O(1), no driver call (the physical figure is refreshed by the
-        background thread and after out of memory, corrected by this backend's own creates and
-        releases since). Exact on the host backend; on CUDA other processes may change it."""
-        return self.available_weight(False)
+        bytes, limit headroom, max_new_pages). max_new_pages caps the pages that would have to
+        be newly mapped (-1: no cap), e.g. by what a global budget has left. O(1), no driver
+        call (the physical figure is refreshed by the background thread and after out of
+        memory, corrected by this backend's own creates and releases since). Exact on the host
+        backend; on CUDA other processes may change it. Raises KVCachedError when closed or in
+        a forked child; KVCachedConfigError for a max_new_pages below -1 or not an integer."""
+        if self.live_token != _fork_generation:
+            self._check_usable()
+        return self.available_weight(False, _max_new_pages(max_new_pages))
 
     def take(self, int n):
         """n mapped page ids (a list), or None when out of memory / over the limit (nothing
@@ -779,6 +866,7 @@ cdef class PageAllocator:
         take_blocks."""
         cdef int32_t* out
         cdef int rc
+        self._check_usable()
         if n < 0:
             raise ValueError(f"n={n} must be >= 0")
         if self.weights_bound:
@@ -800,6 +888,7 @@ cdef class PageAllocator:
         cdef int i, n
         cdef int64_t bad = -1
         import numpy as np
+        self._check_usable()
         arr = np.ascontiguousarray(np.asarray(page_ids, dtype=np.int64).reshape(-1))
         if np.unique(arr).size != arr.size:
             raise MappingError(f"page ids {arr.tolist()} contain duplicates")
@@ -822,6 +911,7 @@ cdef class PageAllocator:
     def set_limit_pages(self, int limit_pages):
         """Cap in-use + pool at `limit_pages` (-1: no cap). Pool pages over the cap are unmapped
         now; pages in use stay, and no page is mapped while over it."""
+        self._check_usable()
         if limit_pages < -1:
             raise KVCachedConfigError(f"limit_pages={limit_pages} must be >= 0, or -1 for no limit")
         with nogil:
@@ -840,6 +930,7 @@ cdef class PageAllocator:
 
     def set_pool_bounds(self, int min_reserved, int max_reserved):
         """Change the pool bounds; a pool above the new maximum is unmapped down to it."""
+        self._check_usable()
         if min_reserved < 0 or max_reserved < 0 or min_reserved > max_reserved:
             raise KVCachedConfigError(
                 f"pool bounds min_reserved={min_reserved}, max_reserved={max_reserved} must satisfy "
@@ -859,6 +950,7 @@ cdef class PageAllocator:
                 pthread_mutex_unlock(&self.map_lock)
 
     def set_idle_trim(self, double idle_trim_s):
+        self._check_usable()
         if idle_trim_s < 0:
             raise KVCachedConfigError(f"idle_trim_s={idle_trim_s} must be >= 0 (0 disables idle trimming).")
         self.idle_trim_s = idle_trim_s
@@ -867,6 +959,7 @@ cdef class PageAllocator:
         """An external budget: `acquire(nbytes) -> bool` before mapping (False = out of memory),
         `release(nbytes)` after unmapping; both called without any allocator lock but map_lock,
         batched, never on the pool fast path. None, None removes it."""
+        self._check_usable()
         if (acquire is None) != (release is None) or (acquire is not None and not (callable(acquire) and callable(release))):
             raise KVCachedConfigError("set_budget_gate needs two callables (acquire, release), or neither")
         with nogil:
@@ -883,6 +976,7 @@ cdef class PageAllocator:
         fence is done. Raises KVCachedConfigError outside [0, table.num_pages]."""
         cdef int p, old
         cdef bint busy = False
+        self._check_usable()
         if not 0 <= num_pages <= self.num_table_pages:
             raise KVCachedConfigError(
                 f"num_pages={num_pages} is outside [0, {self.num_table_pages}]: the page table reserves "
@@ -921,6 +1015,7 @@ cdef class PageAllocator:
         """Unmap the whole pool and every pending page whose fence is done, and release the
         backend's cached handles. The background thread does not refill until the next take or
         return."""
+        self._check_usable()
         with nogil:
             pthread_mutex_lock(&self.map_lock)
             try:
@@ -935,6 +1030,7 @@ cdef class PageAllocator:
 
     def drain(self, bint wait=False):
         """Unmap pending pages whose fence is done (wait=True: wait for every fence)."""
+        self._check_usable()
         with nogil:
             pthread_mutex_lock(&self.map_lock)
             try:
@@ -944,6 +1040,7 @@ cdef class PageAllocator:
 
     def refresh_physical(self):
         """Ask the backend for its free physical memory now (a driver call on CUDA)."""
+        self._check_usable()
         with nogil:
             pthread_mutex_lock(&self.map_lock)
             try:
@@ -953,6 +1050,7 @@ cdef class PageAllocator:
 
     def start(self):
         """Start the background thread (daemon). No-op when it runs."""
+        self._check_usable()
         if self.thread is not None:
             return
         self.bg_stopping = False
@@ -961,9 +1059,10 @@ cdef class PageAllocator:
         self.thread.start()
 
     def stop(self):
-        """Stop the background thread and wait for it (it exits within one driver batch)."""
+        """Stop the background thread and wait for it (it exits within one driver batch). Does
+        nothing in a forked child (the thread is not there)."""
         thread = self.thread
-        if thread is None:
+        if thread is None or getpid() != self.creator_pid:
             return
         with nogil:
             pthread_mutex_lock(&self.lock)
@@ -980,16 +1079,34 @@ cdef class PageAllocator:
         return self.thread is not None
 
     def close(self):
-        """Stop the thread, wait for pending fences, unmap the pool. Pages in use stay mapped."""
-        self.stop()
-        self.drain(True)
-        self.trim()
+        """Stop the thread, wait for pending fences, unmap the pool and the pending pages, drop
+        the budget gate; then every method but stats() and the checks raises KVCachedError.
+        Pages in use stay mapped (the BlockAllocator frees them first: BlockAllocator.close).
+        Idempotent; does nothing in a forked child (Note [Fork and close]). Raises the first
+        failure of the teardown after marking the allocator closed."""
+        if self.live_token != _fork_generation:
+            return
+        try:
+            self.stop()
+            self.drain(True)
+            self.trim()
+        finally:
+            with nogil:
+                pthread_mutex_lock(&self.map_lock)
+                pthread_mutex_lock(&self.lock)
+                self.live_token = _TOKEN_CLOSED
+                self.has_gate = False
+                pthread_mutex_unlock(&self.lock)
+            self.gate_acquire = None
+            self.gate_release = None
+            pthread_mutex_unlock(&self.map_lock)
 
     def stats(self) -> dict:
         """A consistent snapshot of the counts and counters (taken under one lock)."""
-        cdef int v[9]
-        cdef uint64_t c[12]
+        cdef int v[10]
+        cdef uint64_t c[13]
         cdef size_t phys
+        self._check_not_forked()
         with nogil:
             pthread_mutex_lock(&self.lock)
             v[0] = self.capacity_pages; v[1] = self.num_free; v[2] = self.num_used; v[3] = self.num_pool
@@ -998,6 +1115,7 @@ cdef class PageAllocator:
             c[4] = self.num_oom; c[5] = self.num_fences; c[6] = self.num_idle_trims; c[7] = self.num_refills
             c[8] = self.activity; c[9] = <uint64_t>self.pool_weight
             c[10] = self.num_pool_waits; c[11] = self.pages_taken; v[8] = self.refill_target
+            v[9] = self.num_retry; c[12] = self.num_unmap_failures
             phys = self.phys_snapshot
             pthread_mutex_unlock(&self.lock)
         return {
@@ -1008,7 +1126,7 @@ cdef class PageAllocator:
             "num_maps": c[0], "num_unmaps": c[1], "num_pool_hits": c[2], "num_slow_path": c[3],
             "num_oom": c[4], "num_fences": c[5], "num_idle_trims": c[6], "num_refills": c[7],
             "num_take_return": c[8], "num_pool_waits": c[10], "pages_taken": c[11],
-            "refill_target": v[8],
+            "refill_target": v[8], "unmap_retries": v[9], "num_unmap_failures": c[12],
         }
 
     def page_states(self):
@@ -1017,6 +1135,7 @@ cdef class PageAllocator:
         import numpy as np
         arr = np.empty(self.num_table_pages, dtype=np.uint8)
         cdef uint8_t[::1] view = arr
+        self._check_not_forked()
         with nogil:
             pthread_mutex_lock(&self.map_lock)
             pthread_mutex_lock(&self.lock)
@@ -1042,9 +1161,10 @@ cdef class PageAllocator:
         cdef uint8_t[::1] vs = state, vm = mapped
         cdef int32_t[::1] vw = weight, vp = pool, vq = pend, vc = fwc
         cdef int64_t[::1] vf = fww
-        cdef int v[10]
+        cdef int v[11]
         cdef int64_t pool_weight
         cdef int i
+        self._check_not_forked()
         with nogil:
             pthread_mutex_lock(&self.map_lock)
             pthread_mutex_lock(&self.lock)
@@ -1052,8 +1172,10 @@ cdef class PageAllocator:
             memcpy(&vm[0], self.table.mapped, P)
             memcpy(&vw[0], self.weight, P * sizeof(int32_t))
             memcpy(&vp[0], self.pool, P * sizeof(int32_t))
-            for i in range(self.num_pending):
+            for i in range(self.num_pending - self.num_retry):
                 vq[i] = self.pend_ids[(self.pend_head + i) % P]
+            for i in range(self.num_retry):
+                vq[self.num_pending - self.num_retry + i] = self.retry_ids[i]
             memcpy(&vc[0], self.fw_count, (P + 1) * sizeof(int32_t))
             memcpy(&vf[0], self.fw_weight, (P + 1) * sizeof(int64_t))
             v[0] = self.num_free; v[1] = self.num_pool; v[2] = self.num_used; v[3] = self.num_pending
@@ -1063,6 +1185,7 @@ cdef class PageAllocator:
             v[9] = 0
             for i in range(self.num_batches):
                 v[9] += self.batch_count[(self.batch_head + i) % P]
+            v[10] = self.num_retry
             pthread_mutex_unlock(&self.lock)
             pthread_mutex_unlock(&self.map_lock)
         counts = np.bincount(state, minlength=6)
@@ -1071,13 +1194,14 @@ cdef class PageAllocator:
         assert counts[_PS_USED] == v[2], f"used ids {counts[_PS_USED]} != num_used {v[2]}"
         assert counts[_PS_PENDING] == v[3], f"pending ids {counts[_PS_PENDING]} != num_pending {v[3]}"
         assert counts[_PS_TRANSIT] == 0 == v[4], f"ids in transit with map_lock held: {counts[_PS_TRANSIT]}, {v[4]}"
-        assert v[9] == v[3], f"pending batches hold {v[9]} ids, num_pending {v[3]}"
+        assert v[9] + v[10] == v[3], f"pending batches hold {v[9]} ids and retries {v[10]}, num_pending {v[3]}"
         pool_ids = pool[:v[1]]
         assert np.unique(pool_ids).size == v[1] and (state[pool_ids] == _PS_POOL).all(), "pool stack disagrees with states"
         assert int(weight[pool_ids].sum()) == pool_weight, "pool weight disagrees"
         pend_ids = pend[:v[3]]
         assert np.unique(pend_ids).size == v[3] and (state[pend_ids] == _PS_PENDING).all(), "pending ring disagrees"
         is_mapped = np.isin(state, (_PS_POOL, _PS_USED, _PS_PENDING))
+        assert (mapped[state != _PS_PENDING] != 2).all(), "a page id partly unmapped after a failure is not pending"
         assert (is_mapped == (mapped != 0)).all(), \
             f"mapped ids {np.flatnonzero(mapped).tolist()} != pool+used+pending {np.flatnonzero(is_mapped).tolist()}"
         assert int(is_mapped.sum()) == v[6], "table num_mapped disagrees"

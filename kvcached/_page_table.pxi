@@ -10,26 +10,59 @@ cdef int _check_ranges_alive(list ranges) except -1:
     return 0
 
 
-cdef void _trim_handle_cache(Backend backend, int keep) noexcept nogil:
-    """Release cached handles from the top of the cache until `keep` remain (best effort).
+cdef int _trim_handle_cache(Backend backend, int keep) except -1 nogil:
+    """Release cached handles from the top of the cache until `keep` remain.
 
     A failed map recycles what it acquired: the cache hits go back where they were, but handles
     it created would stay cached, holding memory the caller did not have before the call. They
     were pushed last, so releasing the top down to the count seen at the start undoes exactly
-    them. See Note [Page table]."""
+    them. See Note [Page table]. Runs on failure paths only, with the GIL: a handle whose release
+    fails stays cached (still counted), the rest are still released, and the first error is
+    raised at the end."""
+    with gil:
+        return _trim_handle_cache_gil(backend, keep)
+
+
+cdef int _trim_handle_cache_gil(Backend backend, int keep) except -1:
     cdef uint64_t handle
     cdef size_t size_bytes
+    cdef list kept = []
+    first = None
     while True:
         pthread_mutex_lock(&backend._lock)
         if backend.cache_count <= keep:
             pthread_mutex_unlock(&backend._lock)
-            return
+            break
         backend.cache_count -= 1
         handle = backend.cache_handles[backend.cache_count]
         size_bytes = backend.cache_sizes[backend.cache_count]
         backend.cached_bytes -= size_bytes
         pthread_mutex_unlock(&backend._lock)
-        backend._release_counted(handle, size_bytes)
+        try:
+            backend._release_counted(handle, size_bytes)
+        except BaseException as exc:
+            first = exc if first is None else first
+            kept.append((handle, size_bytes))
+    for handle, size_bytes in kept:             # not released: back in the cache, still counted
+        pthread_mutex_lock(&backend._lock)
+        if backend.cache_count < _MAX_CACHED_HANDLES:
+            backend.cache_handles[backend.cache_count] = handle
+            backend.cache_sizes[backend.cache_count] = size_bytes
+            backend.cache_count += 1
+            backend.cached_bytes += size_bytes
+        pthread_mutex_unlock(&backend._lock)
+    if first is not None:
+        raise first
+    return 0
+
+
+cdef int _raise_if_oom(int rc, str what, size_t size_bytes) except -1 nogil:
+    """Turn the _OOM value into OutOfDeviceMemory where out of memory cannot be a value (undo
+    paths); returns rc otherwise."""
+    if rc != _OOM:
+        return rc
+    with gil:
+        raise OutOfDeviceMemory(what, 2, "out of memory", f"{size_bytes} bytes")
 
 
 cdef enum:
@@ -50,8 +83,16 @@ cdef class PageTable:
     one compound mapping for interleaved and page_grouped). With `zero_page`, every page id that
     is not mapped shows one shared read-only zero page instead of faulting.
 
-    Not thread-safe by itself: the page allocator serialises calls per page id.
+    Thread-safe: `lock` serialises map_pages, unmap_pages and close (the page allocator also
+    holds its map_lock around them); it is only ever waited on without the GIL, and a failure
+    path may take the GIL while holding it. In a forked child every method raises and close()
+    does nothing (Note [Fork and close]).
     """
+
+    def __cinit__(self, *args, **kwargs):
+        pthread_mutex_init(&self.lock, NULL)
+        self.live_token = _live_token()
+        self.creator_pid = getpid()
 
     def __init__(self, Backend backend not None, list segments not None, size_t map_bytes, int num_pages, bint zero_page=False):
         """segments: [(VirtualRange, offset_bytes)], one per mapping of a page id.
@@ -109,10 +150,12 @@ cdef class PageTable:
         # The handle may come from the cache, holding a former page's data: zero it on both backends.
         if isinstance(self.backend, CudaBackend):
             address = self.segment_base[0]
-            self.backend._map(address, self.map_bytes, handle)
-            self.backend._set_access(address, self.map_bytes, True)
-            (<CudaBackend>self.backend).memset(address, 0, self.map_bytes)
-            self.backend._unmap(address, self.map_bytes)
+            _raise_if_oom(self.backend._map(address, self.map_bytes, handle), "cuMemMap", self.map_bytes)
+            try:
+                _raise_if_oom(self.backend._set_access(address, self.map_bytes, True), "cuMemSetAccess", self.map_bytes)
+                (<CudaBackend>self.backend).memset(address, 0, self.map_bytes)
+            finally:
+                self.backend._unmap(address, self.map_bytes)
         elif isinstance(self.backend, HostBackend):
             check_os(fallocate((<HostBackend>self.backend).fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
                                <long>(handle - 1), <long>self.map_bytes) != 0, "fallocate(PUNCH_HOLE)")
@@ -120,34 +163,78 @@ cdef class PageTable:
             for p in range(self.num_pages):
                 for s in range(self.num_segments):
                     address = self.segment_base[s] + <size_t>p * self.map_bytes
-                    self.backend._map(address, self.map_bytes, self.zero_handle)
-                    self.backend._set_access(address, self.map_bytes, False)
+                    self._remap_zero(address)
 
     def __dealloc__(self):
-        if self.handles != NULL and self.backend is not None:
-            try:
-                self.close()
-            except Exception:
-                pass
+        if getpid() == self.creator_pid:            # a forked child touches nothing: Note [Fork and close]
+            if self.handles != NULL and self.backend is not None and self.live_token == _fork_generation:
+                try:
+                    self.close()
+                except Exception:
+                    pass
+            pthread_mutex_destroy(&self.lock)
         free(self.segment_base)
         free(self.handles)
         free(self.mapped)
+
+    @property
+    def lifecycle(self) -> str:
+        """"live", "closed" (close() was called) or "forked" (inherited by a forked child)."""
+        return _lifecycle_name(self.live_token)
+
+    cdef int _check_usable(self) except -1 nogil:
+        if self.live_token == _fork_generation:
+            return 0
+        with gil:
+            _raise_unusable("page table", self.live_token, self.creator_pid,
+                            "its KV tensors were shut down; call init_kvcached and alloc_kv_cache again.")
+        return -1
 
     # -- the data path -----------------------------------------------------------------------
     cdef int map_pages(self, const int32_t* page_ids, int n) except -1 nogil:
         """Map every page id in `page_ids` (each valid and unmapped: the caller checked).
 
         Returns 0, or _OOM with the table exactly as before. On a driver error, undoes this
-        call's steps and raises."""
+        call's steps and raises it; a step of the undo that fails too leaves its page id marked
+        mapped (mapped = 2: to be unmapped, never used) and is counted in
+        num_rollback_failures, the undo going on past it. Raises KVCachedError when closed or
+        in a forked child. Takes `lock`."""
         cdef int pages_done = 0, segments_done = 0, stage = _STAGE_NONE, rc = -1
-        cdef int cached_before = self.backend.cache_count    # a racy read is fine: see _trim_handle_cache
+        cdef int cached_before
+        pthread_mutex_lock(&self.lock)
         try:
-            rc = self._map_forward(page_ids, n, &pages_done, &segments_done, &stage)
+            self._check_usable()
+            cached_before = self.backend.cache_count    # a racy read is fine: see _trim_handle_cache
+            try:
+                rc = self._map_forward(page_ids, n, &pages_done, &segments_done, &stage)
+            finally:
+                if rc != 0:
+                    self._undo_map(page_ids, pages_done, segments_done, stage, cached_before, rc == -1)
         finally:
-            if rc != 0:
-                self._map_rollback(page_ids, pages_done, segments_done, stage)
-                _trim_handle_cache(self.backend, cached_before)
+            pthread_mutex_unlock(&self.lock)
         return rc
+
+    cdef int _undo_map(self, const int32_t* page_ids, int pages_done, int segments_done, int stage,
+                       int cached_before, bint raising) except -1 nogil:
+        """Roll a failed map back (Note [Page table]). Every step is tried; when the map itself
+        raised (`raising`), that error goes on and the undo's own failures are only counted;
+        after out of memory, the undo's first failure is raised."""
+        with gil:
+            first = None
+            try:
+                self._map_rollback(page_ids, pages_done, segments_done, stage)
+            except BaseException as exc:
+                first = exc
+            try:
+                _trim_handle_cache(self.backend, cached_before)
+            except BaseException as exc:
+                first = exc if first is None else first
+                self.num_rollback_failures += 1
+            if first is not None:
+                self.last_rollback_error = first
+                if not raising:
+                    raise first
+        return 0
 
     cdef int _map_forward(self, const int32_t* page_ids, int n, int* pages_done, int* segments_done,
                           int* stage) except -1 nogil:
@@ -168,9 +255,13 @@ cdef class PageTable:
                 if self.zero_page:
                     self.backend._unmap(address, self.map_bytes)
                 stage[0] = _STAGE_ZERO_OFF
-                self.backend._map(address, self.map_bytes, handle)
+                rc = self.backend._map(address, self.map_bytes, handle)
+                if rc != 0:
+                    return rc
                 stage[0] = _STAGE_MAPPED
-                self.backend._set_access(address, self.map_bytes, True)
+                rc = self.backend._set_access(address, self.map_bytes, True)
+                if rc != 0:
+                    return rc
                 segments_done[0] = s + 1
             self.mapped[p] = 1
             self.num_mapped += 1
@@ -178,65 +269,141 @@ cdef class PageTable:
             segments_done[0] = 0
         return 0
 
-    cdef void _map_rollback(self, const int32_t* page_ids, int pages_done, int segments_done, int stage) noexcept nogil:
-        # Best effort: a failure while undoing is reported as unraisable, never hides the first.
+    cdef int _map_rollback(self, const int32_t* page_ids, int pages_done, int segments_done, int stage) except -1:
+        """Undo a failed _map_forward (GIL held: a failure path). Every step is tried even after
+        one fails; a page id with a segment still mapped afterwards stays marked mapped (2: to
+        be unmapped before any use, never handed out) and counted. Raises the first failure."""
         cdef int i, s
-        cdef int32_t p
+        cdef int32_t p = page_ids[pages_done]
         cdef uintptr_t address
         cdef size_t index
-        if pages_done < 0:
-            return
-        p = page_ids[pages_done]
-        # the segment in progress, by how far it got
-        address = self.segment_base[segments_done] + <size_t>p * self.map_bytes if segments_done < self.num_segments else 0
-        index = <size_t>p * self.num_segments + segments_done
+        cdef uint64_t handle
+        first = None
         if segments_done < self.num_segments and stage >= _STAGE_ACQUIRED:
-            if stage >= _STAGE_MAPPED:
-                self.backend._unmap(address, self.map_bytes)
-            if self.zero_page and stage >= _STAGE_ZERO_OFF:
-                self._remap_zero(address)
-            self.backend.recycle_handle(self.handles[index], self.map_bytes)
-            self.handles[index] = 0
+            # the segment in progress, by how far it got
+            address = self.segment_base[segments_done] + <size_t>p * self.map_bytes
+            index = <size_t>p * self.num_segments + segments_done
+            handle = self.handles[index]
+            try:
+                if stage >= _STAGE_MAPPED:
+                    self.backend._unmap(address, self.map_bytes)
+            except BaseException as exc:
+                first = exc                         # still mapped: the handle stays with the page
+            else:
+                self.handles[index] = 0
+                try:
+                    self.backend.recycle_handle(handle, self.map_bytes)
+                except BaseException as exc:
+                    first = exc if first is None else first
+                if self.zero_page and stage >= _STAGE_ZERO_OFF:
+                    try:
+                        self._remap_zero(address)
+                    except BaseException as exc:
+                        first = exc if first is None else first
         for s in range(segments_done):
-            self._unmap_segment(p, s)
+            first = self._unmap_segment_caught(p, s, first)
+        if self._page_has_handles(p):
+            self.mapped[p] = 2
+            self.num_mapped += 1
         for i in range(pages_done):
             p = page_ids[i]
             for s in range(self.num_segments):
-                self._unmap_segment(p, s)
-            self.mapped[p] = 0
-            self.num_mapped -= 1
+                first = self._unmap_segment_caught(p, s, first)
+            if self._page_has_handles(p):
+                self.mapped[p] = 2
+            else:
+                self.mapped[p] = 0
+                self.num_mapped -= 1
+        if first is not None:
+            self.num_rollback_failures += 1
+            raise first
+        return 0
 
-    cdef void _remap_zero(self, uintptr_t address) noexcept nogil:
-        self.backend._map(address, self.map_bytes, self.zero_handle)
-        self.backend._set_access(address, self.map_bytes, False)
+    cdef object _unmap_segment_caught(self, int32_t page_id, int segment, object first):
+        # _unmap_segment, for the undo and close loops: returns the first failure seen so far
+        try:
+            if self._unmap_segment(page_id, segment) == 1:
+                return self.last_unmap_error if first is None else first
+        except BaseException as exc:
+            return exc if first is None else first
+        return first
+
+    cdef bint _page_has_handles(self, int32_t page_id) noexcept nogil:
+        cdef int s
+        for s in range(self.num_segments):
+            if self.handles[<size_t>page_id * self.num_segments + s] != 0:
+                return True
+        return False
+
+    cdef int _remap_zero(self, uintptr_t address) except -1 nogil:
+        """Show the shared zero page, read-only, at `address` (nothing mapped there). Raises on
+        failure, out of memory included, with nothing mapped there."""
+        cdef int rc = self.backend._map(address, self.map_bytes, self.zero_handle)
+        _raise_if_oom(rc, "map(zero page)", self.map_bytes)
+        try:
+            rc = self.backend._set_access(address, self.map_bytes, False)
+        finally:
+            if rc != 0:     # never leave the zero page writable (or inaccessible but mapped)
+                self.backend._unmap(address, self.map_bytes)
+        return _raise_if_oom(rc, "set_access(zero page)", self.map_bytes)
 
     cdef int _unmap_segment(self, int32_t page_id, int segment) except -1 nogil:
+        """Unmap one segment of a page id (hold `lock`); its handle goes back through the cache
+        and, with the zero page, the zero page shows there again. Returns 0, or 1 when the
+        unmap itself failed: the segment stays mapped with its handle, so a later call retries
+        it, and the error is in last_unmap_error (Note [Failed unmap]). Raises when giving the
+        handle back or showing the zero page fails (the segment is unmapped then)."""
         cdef uintptr_t address = self.segment_base[segment] + <size_t>page_id * self.map_bytes
         cdef size_t index = <size_t>page_id * self.num_segments + segment
         cdef uint64_t handle = self.handles[index]
+        cdef int code
         if handle == 0:
             return 0
-        self.backend._unmap(address, self.map_bytes)
+        code = self.backend._unmap_status(address, self.map_bytes)
+        if code != 0:
+            with gil:
+                self.last_unmap_error = self.backend._unmap_error(code)
+                self.num_unmap_failures += 1
+            return 1
         self.handles[index] = 0
-        self.backend.recycle_handle(handle, self.map_bytes)
-        if self.zero_page:
-            self.backend._map(address, self.map_bytes, self.zero_handle)
-            self.backend._set_access(address, self.map_bytes, False)
+        try:
+            self.backend.recycle_handle(handle, self.map_bytes)
+        finally:
+            if self.zero_page:
+                self._remap_zero(address)
         return 0
 
     cdef int unmap_pages(self, const int32_t* page_ids, int n) except -1 nogil:
-        """Unmap every page id in `page_ids` (each mapped: the caller checked); handles go back
-        through the backend's cache. Raises on a driver error (the page stays marked mapped,
-        with the segments not yet unmapped still in place)."""
-        cdef int i, s
+        """Unmap the page ids in `page_ids` that are mapped (others are skipped); handles go back
+        through the backend's cache. Returns how many could not be unmapped because the driver
+        refused an unmap: each stays marked mapped (2: only unmapping may follow) with the
+        segments that did not go, the error in last_unmap_error; the others are still tried
+        (Note [Failed unmap]). Raises for other failures (releasing a handle, the zero page),
+        stopping there; callers read mapped[] to tell what was unmapped. Works on a closed table
+        (on what a failed close left); raises KVCachedError in a forked child. Takes `lock`."""
+        cdef int i, s, bad, failed = 0
         cdef int32_t p
-        for i in range(n):
-            p = page_ids[i]
-            for s in range(self.num_segments):
-                self._unmap_segment(p, s)
-            self.mapped[p] = 0
-            self.num_mapped -= 1
-        return 0
+        pthread_mutex_lock(&self.lock)
+        try:
+            self.backend._check_live()
+            if self.live_token != _TOKEN_CLOSED:
+                self._check_usable()
+            for i in range(n):
+                p = page_ids[i]
+                if self.mapped[p] == 0:
+                    continue
+                self.mapped[p] = 2                  # until its last segment is gone
+                bad = 0
+                for s in range(self.num_segments):
+                    bad |= self._unmap_segment(p, s)
+                if bad:
+                    failed += 1
+                else:
+                    self.mapped[p] = 0
+                    self.num_mapped -= 1
+        finally:
+            pthread_mutex_unlock(&self.lock)
+        return failed
 
     # -- Python surface: validates, then calls the data path ---------------------------------
     cdef int _small_ids(self, page_ids, bint want_mapped, int32_t* out) except -2:
@@ -310,23 +477,26 @@ cdef class PageTable:
 
     def unmap(self, page_ids) -> None:
         """Unmap the given page ids. Raises MappingError (nothing changed) for an id out of range,
-        repeated or not mapped."""
+        repeated or not mapped; DriverError when the driver refused to unmap some (they stay
+        mapped, marked 2, and the others are unmapped: call unmap on them again)."""
         cdef int n
         cdef int32_t small[_SMALL_IDS]
         cdef int32_t[::1] ids
+        cdef int failed = 0
         n = self._small_ids(page_ids, True, small)
         if n >= 0:
             _check_ranges_alive(self.ranges)
             if n > 0:
                 with nogil:
-                    self.unmap_pages(small, n)
-            return
-        ids = self._checked_ids(page_ids, True)
-        _check_ranges_alive(self.ranges)
-        if ids.shape[0] == 0:
-            return
-        with nogil:
-            self.unmap_pages(&ids[0], <int>ids.shape[0])
+                    failed = self.unmap_pages(small, n)
+        else:
+            ids = self._checked_ids(page_ids, True)
+            _check_ranges_alive(self.ranges)
+            if ids.shape[0] > 0:
+                with nogil:
+                    failed = self.unmap_pages(&ids[0], <int>ids.shape[0])
+        if failed:
+            raise self.last_unmap_error
 
     def driver_floor(self, int page_id, int repeats=50):
         """Benchmark hook: what mapping `page_id` costs in driver calls alone. Takes one handle
@@ -345,6 +515,7 @@ cdef class PageTable:
         cdef double t0, t1, t2
         cdef bint cuda = isinstance(self.backend, CudaBackend)
         cdef CudaBackend cb = self.backend if cuda else None
+        self._check_usable()
         if not 0 <= page_id < self.num_pages or self.mapped[page_id] or self.zero_page:
             raise MappingError(f"driver_floor needs an unmapped page id in [0, {self.num_pages}) and no zero page")
         _check_ranges_alive(self.ranges)
@@ -427,43 +598,77 @@ cdef class PageTable:
         return [self.segment_base[s] + page_id * self.map_bytes for s in range(self.num_segments)]
 
     def close(self):
-        """Unmap every page id and release the zero page; the table is empty afterwards."""
+        """Unmap every page id and release the zero page, then mark the table closed: map raises
+        KVCachedError from then on; unmap still unmaps what a failed close left mapped. Every
+        page is tried; the first failure is raised at the end (the pages it concerns stay
+        mapped, counted). Idempotent; does nothing in a forked child. Takes `lock`."""
+        if self.handles == NULL or self.live_token != _fork_generation:
+            return
+        with nogil:
+            pthread_mutex_lock(&self.lock)
+        try:
+            if self.live_token != _fork_generation:
+                return
+            if self.num_mapped or self.zero_page:
+                _check_ranges_alive(self.ranges)
+            self.live_token = _TOKEN_CLOSED
+            self._close_locked()
+        finally:
+            pthread_mutex_unlock(&self.lock)
+
+    cdef int _close_locked(self) except -1:
         cdef int p, s
         cdef uintptr_t address
-        if self.handles == NULL:
-            return
-        if self.num_mapped or self.zero_page:
-            _check_ranges_alive(self.ranges)
+        cdef bint zero_left = False
+        first = None
         for p in range(self.num_pages):
             if self.mapped[p]:
+                self.mapped[p] = 2
                 for s in range(self.num_segments):
-                    self._unmap_segment(p, s)
-                self.mapped[p] = 0
-                self.num_mapped -= 1
+                    first = self._unmap_segment_caught(p, s, first)
+                if not self._page_has_handles(p):
+                    self.mapped[p] = 0
+                    self.num_mapped -= 1
         if self.zero_page:
-            self.zero_page = False
-            with nogil:
-                for p in range(self.num_pages):
-                    for s in range(self.num_segments):
-                        address = self.segment_base[s] + <size_t>p * self.map_bytes
+            for p in range(self.num_pages):
+                for s in range(self.num_segments):
+                    if self.handles[<size_t>p * self.num_segments + s] != 0:
+                        zero_left = True            # a page's own mapping that could not go
+                        continue
+                    address = self.segment_base[s] + <size_t>p * self.map_bytes
+                    try:
                         self.backend._unmap(address, self.map_bytes)
-            self.backend.recycle_handle(self.zero_handle, self.map_bytes)
-            self.zero_handle = 0
+                    except BaseException as exc:
+                        first = exc if first is None else first
+                        zero_left = True
+            if not zero_left:                       # else still mapped somewhere: never reused
+                self.zero_page = False
+                try:
+                    self.backend.recycle_handle(self.zero_handle, self.map_bytes)
+                finally:
+                    self.zero_handle = 0
+        if first is not None:
+            raise first
+        return 0
 
     def check_invariants(self):
-        """O(pages · segments): handles present exactly for mapped page ids; counters agree."""
+        """O(pages · segments): handles present for every segment of a mapped page id (1), none
+        for an unmapped one, any for one being unmapped after a failure (2); no handle twice;
+        counters agree."""
         count = 0
         seen = set()
         for p in range(self.num_pages):
+            assert self.mapped[p] in (0, 1, 2), f"page {p}: mapped byte {self.mapped[p]}"
             for s in range(self.num_segments):
                 handle = self.handles[<size_t>p * self.num_segments + s]
                 has = handle != 0
-                assert has == bool(self.mapped[p]), f"page {p} segment {s}: handle {has}, mapped {self.mapped[p]}"
+                if self.mapped[p] != 2:
+                    assert has == bool(self.mapped[p]), f"page {p} segment {s}: handle {has}, mapped {self.mapped[p]}"
                 if has:
                     assert handle not in seen, f"page {p} segment {s}: handle {handle} mapped twice"
                     assert handle != self.zero_handle, f"page {p} segment {s}: holds the zero page's handle"
                     seen.add(handle)
-            count += self.mapped[p]
+            count += self.mapped[p] != 0
         assert count == self.num_mapped, f"num_mapped {self.num_mapped} != {count}"
         assert self.zero_page == (self.zero_handle != 0), f"zero_page {self.zero_page}, zero handle {self.zero_handle}"
 
@@ -480,6 +685,12 @@ cdef class PageTable:
 # read zeros instead of faulting, at the price of mapping every page id at creation and an extra
 # unmap + map per page map and unmap. The zero page's handle may come from the cache, so it is
 # zeroed when the table is made.
+# The undo itself calls the driver and can fail. It runs with the GIL (a failure path), tries every
+# step, and raises its first failure at the end — unless the map raised already, whose error then
+# goes on (the undo's is kept in last_rollback_error). A page id that still has a segment mapped
+# after the undo is marked mapped = 2: the allocator never hands it out, only unmaps it again
+# (Note [Failed unmap]). Out of memory from cuMemMap / cuMemSetAccess (host: ENOMEM from mmap or
+# mprotect, e.g. at vm.max_map_count) is out of memory like cuMemCreate's: a value, undone, None.
 #
 # Note [Page table validation]
 # PageTable.map/unmap are the Python surface (tests, benchmarks, tools; the allocators call the

@@ -73,10 +73,12 @@ cdef class VirtualRange:
         r.backend = backend
         r.address = address
         r.size_bytes = size_bytes
+        r.live_token = _live_token()
         return r
 
     def __dealloc__(self):
-        if not self.freed and self.backend is not None:
+        # a forked child gives nothing back: the reservation is the parent's (Note [Fork and close])
+        if not self.freed and self.backend is not None and self.live_token == _fork_generation:
             try:
                 self.backend._free_range(self.address, self.size_bytes)
             except Exception:
@@ -86,6 +88,7 @@ cdef class VirtualRange:
         """Give the reservation back now. The caller must have unmapped every page in it and
         dropped every tensor exported from it; further use of those tensors is undefined."""
         if not self.freed:
+            self.backend._check_live()
             self.freed = True
             self.backend._free_range(self.address, self.size_bytes)
 

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcached import _core
-from kvcached.errors import KVCachedConfigError, MappingError, OutOfDeviceMemory
+from kvcached.errors import KVCachedConfigError, KVCachedError, MappingError, OutOfDeviceMemory
 
 from _backends import (
     OS_PAGE,
@@ -392,15 +392,18 @@ def test_freed_range_refuses_map_unmap_and_close():
         _core.PageTable(b, [(ranges[1], 0)], G, 1)
 
 
-def test_close_empties_the_table_and_the_table_stays_usable():
+def test_close_empties_the_table_and_a_closed_table_maps_nothing():
     b = host_backend()
     pt = make_table(b)
     assert pt.map([0, 3])
     pt.close()
     assert pt.num_mapped == 0 and pt.mapped_page_ids() == []
+    assert pt.lifecycle == "closed"
     pt.check_invariants()
     pt.close()                                      # idempotent
-    assert pt.map([1])
+    with pytest.raises(KVCachedError, match="page table is closed; .*init_kvcached"):
+        pt.map([1])
+    assert pt.num_mapped == 0 and b.physical_bytes == b.cached_bytes
     pt.check_invariants()
 
 
