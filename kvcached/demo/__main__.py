@@ -1,0 +1,72 @@
+"""``python -m kvcached.demo``: the options, then kvcached.demo.run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+DEFAULT_OUT = "kvcached-demo.png"
+PHASE_S, QUICK_PHASE_S = 4.0, 2.5
+
+EPILOG = f"""\
+Phases: llama busy -> both busy -> qwen2 busy -> llama busy again. The load is a fixed set of
+clients, each sending its next request when the last one finished; the phases move them from one
+instance to the other (half each when both are busy). An idle instance finishes what it holds and
+its pool is trimmed after 0.3 s, so its pages go back to the budget and the other instance maps
+them. When the budget is short, the loop preempts its newest request (blocks freed, the request
+recomputed later; none is lost).
+
+The PNG goes to --out (default ./{DEFAULT_OUT}, in the current directory), the samples it was
+drawn from to the same path with .json. --hold keeps both instances serving afterwards, the phases
+repeating, until Ctrl-C, and prints the kvctl/kvtop commands to watch them from another terminal.
+"""
+
+
+def _phase_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 1.0 <= value <= 600.0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds in [1, 600]")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvcached.demo", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Two models share one device's KV memory under a global budget; the memory follows the load.")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N (default: CUDA if usable, else cpu: the host backend)")
+    parser.add_argument("--out", default=DEFAULT_OUT, metavar="PATH",
+                        help=f"where to write the PNG (default: ./{DEFAULT_OUT}); the samples go beside it as .json")
+    parser.add_argument("--phase-seconds", type=_phase_seconds, default=None, metavar="S",
+                        help=f"length of each of the 4 phases (default {PHASE_S:g}; {QUICK_PHASE_S:g} with --quick)")
+    parser.add_argument("--quick", action="store_true", help="short phases, for tests and a first look")
+    parser.add_argument("--hold", action="store_true",
+                        help="after the run, keep the instances serving until Ctrl-C (try kvctl list / kvtop)")
+    args = parser.parse_args(argv)
+
+    from ..errors import KVCachedConfigError
+    from ..runtime import _parse_device
+    from .run import DemoError, Options, run, terminate_on_sigterm
+
+    try:
+        device = _parse_device(args.device)
+    except KVCachedConfigError as exc:
+        parser.error(str(exc))
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        parser.error(f"--out {args.out!r}: directory {out_dir} does not exist; create it or pick another path")
+    phase_s = args.phase_seconds or (QUICK_PHASE_S if args.quick else PHASE_S)
+    terminate_on_sigterm()
+    try:
+        return run(Options(device=device, out_png=args.out, phase_s=phase_s, hold=args.hold))
+    except DemoError as exc:
+        print(f"kvcached demo failed: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,297 @@
+"""The demo's parent process: the budget, two instances, the phases, the samples, the picture.
+
+The parent imports neither torch nor the compiled core: it creates the global budget, starts the
+two instances (kvcached.demo.instance), moves the clients between them, and samples once per tick
+what kvctl would show (each instance's segment and the budget) beside the serving counters the
+instances report over their pipes.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import secrets
+import signal
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from ..budget import delete_budget, read_budget, set_budget
+from ..errors import KVCachedError
+from ..mem_info_tracker import delete_segment, read_segment
+from . import plot
+from .instance import InstanceSpec, Workload, serve
+from .schedule import Phase, phase_at, phases
+from .view import Frame, Row, make_view
+
+TICK_S = 0.2                    # samples and view refreshes: five a second
+RATE_WINDOW_S = 1.0             # tokens/s over this window
+READY_TIMEOUT_S = 300.0         # model building on a loaded machine
+STOP_TIMEOUT_S = 20.0
+FAMILIES = ("llama", "qwen2")   # the two instances, in the order of the view and the plot
+
+# See Note [Sizing the demo].
+CPU_WORKLOAD = Workload(preset="tiny", dtype="float32", page_size_bytes=8 << 10, num_blocks=4096, block_size=16,
+                        max_running=48, clients=40, prompt_tokens=(64, 192), new_tokens=(16, 48))
+CPU_BUDGET_BYTES = 5 << 19                  # 2.5 MiB
+CUDA_WORKLOAD = Workload(preset="llama3-8b", dtype="bfloat16", page_size_bytes=2 << 20, num_blocks=8192,
+                         block_size=16, max_running=128, clients=96, prompt_tokens=(256, 1024),
+                         new_tokens=(32, 128))
+CUDA_BUDGET_BYTES = 6 << 30
+# Pool bounds and idle trim short enough that an idle instance visibly gives its pages back.
+POOL_SETTINGS = {"KVCACHED_MIN_RESERVED_PAGES": "2", "KVCACHED_MAX_RESERVED_PAGES": "4",
+                 "KVCACHED_IDLE_TRIM_S": "0.3", "KVCACHED_TRACKER": "1"}
+
+
+class DemoError(Exception):
+    """An instance failed or did not start; the message says which and why."""
+
+
+@dataclass
+class Options:
+    device: str                     # "cpu" or "cuda:N"
+    out_png: str
+    phase_s: float
+    hold: bool
+    seed: int = 0
+
+
+class _Instance:
+    """The parent's side of one instance: its process, pipe, and latest counters."""
+
+    def __init__(self, context, spec: InstanceSpec) -> None:
+        self.spec = spec
+        self.conn, child_conn = context.Pipe()
+        self.process = context.Process(target=serve, args=(spec, child_conn), name=f"kvcached-demo-{spec.name}",
+                                       daemon=True)
+        self.process.start()
+        child_conn.close()
+        self.info: dict = {}                    # what the instance said when ready
+        self.counters = {"running": 0, "waiting": 0, "preemptions": 0, "generated_tokens": 0}
+        self.clients = 0
+
+    def receive(self) -> None:
+        """Take every message waiting on the pipe. Raises DemoError if the instance failed."""
+        try:
+            while self.conn.poll():
+                kind, value = self.conn.recv()
+                if kind == "ready":
+                    self.info = value
+                elif kind == "stats":
+                    self.counters = value
+                elif kind == "error":
+                    raise DemoError(f"instance {self.spec.name} failed:\n{value}")
+        except (EOFError, OSError):
+            raise DemoError(f"instance {self.spec.name} (pid {self.process.pid}) exited with status "
+                            f"{self.process.exitcode}") from None
+
+    def set_clients(self, clients: int) -> None:
+        if clients != self.clients:
+            self.conn.send(("clients", clients))
+            self.clients = clients
+
+    def stop(self) -> None:
+        try:
+            self.conn.send(("stop", None))
+        except OSError:
+            pass
+
+    def join(self) -> None:
+        """Wait for the process to exit (killing it if it hangs); remove its segment if it died
+        without doing so."""
+        self.process.join(STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+        try:
+            delete_segment(self.spec.ipc_name)      # refuses a live owner; see Note [Telling a dead owner]
+        except KVCachedError:
+            pass                                # gone already: the instance shut down cleanly
+
+
+class _Recorder:
+    """Samples per tick; tokens/s from the counters' change over RATE_WINDOW_S."""
+
+    def __init__(self, instances: list[_Instance], budget_name: str) -> None:
+        self.instances, self.budget_name = instances, budget_name
+        self.samples: list[dict] = []
+        self._window: deque[tuple[float, list[int]]] = deque()     # (t_s, generated tokens per instance)
+
+    def sample(self, t_s: float, keep: bool) -> dict:
+        """What every instance holds and does now; appended to ``samples`` if ``keep``."""
+        held = read_budget(self.budget_name).held_bytes
+        tokens = [instance.counters["generated_tokens"] for instance in self.instances]
+        self._window.append((t_s, tokens))
+        while t_s - self._window[0][0] > RATE_WINDOW_S:
+            self._window.popleft()
+        first_s, first_tokens = self._window[0]
+        rows = []
+        for index, instance in enumerate(self.instances):
+            try:
+                snap = read_segment(instance.spec.ipc_name)
+                used, reserved = snap.used_bytes, snap.reserved_bytes
+            except KVCachedError:
+                used = reserved = 0               # the segment is gone: the instance is shutting down
+            rate = (tokens[index] - first_tokens[index]) / (t_s - first_s) if t_s > first_s else 0.0
+            rows.append({"mapped_bytes": used + reserved, "used_bytes": used, "reserved_bytes": reserved,
+                         "clients": instance.clients, **instance.counters, "tokens_per_s": round(rate, 1)})
+        record = {"t_s": round(t_s, 3), "held_bytes": held, "instances": rows}
+        if keep:
+            self.samples.append(record)
+        return record
+
+
+def _frame(plan: list[Phase], index: int, t_s: float, sample: dict, instances: list[_Instance], budget_name: str,
+           budget_bytes: int, holding: bool) -> Frame:
+    rows = tuple(Row(name=inst.spec.name, model=f"{inst.spec.family} {inst.spec.workload.preset}",
+                     clients=s["clients"], mapped_bytes=s["mapped_bytes"], used_bytes=s["used_bytes"],
+                     reserved_bytes=s["reserved_bytes"], running=s["running"], waiting=s["waiting"],
+                     preemptions=s["preemptions"], generated_tokens=s["generated_tokens"],
+                     tokens_per_s=s["tokens_per_s"])
+                 for inst, s in zip(instances, sample["instances"]))
+    label = f"{plan[index].label} (holding: Ctrl-C stops)" if holding else plan[index].label
+    return Frame(t_s=t_s, total_s=plan[-1].end_s, phase=label, budget_name=budget_name,
+                 budget_bytes=budget_bytes, held_bytes=sample["held_bytes"], rows=rows)
+
+
+def _drive(plan: list[Phase], instances: list[_Instance], recorder: _Recorder, view, budget_bytes: int,
+           holding: bool) -> None:
+    """Run the phases once (or, holding, over and over until Ctrl-C), a tick at a time."""
+    total_s = plan[-1].end_s
+    start = next_tick = time.monotonic()
+    current = None
+    while True:
+        t_s = time.monotonic() - start
+        index = phase_at(plan, t_s % total_s if holding else t_s)
+        if index is None:
+            return
+        for instance in instances:
+            instance.receive()
+        if index != current:
+            current = index
+            for instance, share in zip(instances, plan[index].share):
+                instance.set_clients(round(share * instance.spec.workload.clients))
+        sample = recorder.sample(t_s, keep=not holding)
+        view.show(_frame(plan, index, t_s, sample, instances, recorder.budget_name, budget_bytes, holding))
+        next_tick += TICK_S
+        time.sleep(max(0.0, next_tick - time.monotonic()))
+
+
+def _wait_ready(instances: list[_Instance]) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not all(instance.info for instance in instances):
+        for instance in instances:
+            instance.receive()
+            if not instance.info and not instance.process.is_alive():
+                instance.receive()                  # its last words, if any
+                raise DemoError(f"instance {instance.spec.name} exited with status {instance.process.exitcode} "
+                                f"before it was ready")
+        if time.monotonic() > deadline:
+            raise DemoError(f"the instances were not ready after {READY_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
+
+
+def _hold_commands(budget_name: str, instances: list[_Instance]) -> str:
+    first = instances[0].info["ipc_name"]
+    return "\n".join((
+        "The instances keep serving, the phases repeating, until Ctrl-C. In another terminal (same environment):",
+        "  kvctl list                        # both instances: used, reserved, capacity",
+        "  kvtop                             # the same, live (q quits)",
+        f"  kvctl budget {budget_name}      # the budget and what each holds",
+        f"  kvctl limit {first} 1M   # cap one instance: it preempts and gives pages back",
+        f"  kvctl limit {first} none # and lift the cap",
+    ))
+
+
+def run(options: Options) -> int:
+    """The whole demo; 0 when the phases ran and the PNG was written, 130 on Ctrl-C."""
+    tag = f"demo-{os.getpid()}-{secrets.token_hex(2)}"
+    cuda = options.device != "cpu"
+    workload, budget_bytes = (CUDA_WORKLOAD, CUDA_BUDGET_BYTES) if cuda else (CPU_WORKLOAD, CPU_BUDGET_BYTES)
+    specs = [InstanceSpec(name=family, family=family, ipc_name=f"{tag}-{family}", device=options.device,
+                          seed=options.seed + i, workload=workload,
+                          settings={**POOL_SETTINGS, "KVCACHED_IPC_NAME": f"{tag}-{family}",
+                                    "KVCACHED_GLOBAL_BUDGET": tag})
+             for i, family in enumerate(FAMILIES)]
+    plan = phases(FAMILIES, options.phase_s)
+    set_budget(tag, budget_bytes)
+    print(f"kvcached demo on {options.device}: two instances ({' and '.join(FAMILIES)}, {workload.preset} models) "
+          f"share the global budget {tag} of {budget_bytes / (1 << 20):.0f} MiB; the load moves between them in "
+          f"{len(plan)} phases of {options.phase_s:g} s.", flush=True)
+    context = multiprocessing.get_context("spawn")
+    instances: list[_Instance] = []
+    try:
+        instances = [_Instance(context, spec) for spec in specs]
+        print("starting the instances (building the models and their KV caches) ...", flush=True)
+        started = time.monotonic()
+        _wait_ready(instances)
+        print(f"both ready after {time.monotonic() - started:.1f} s:", flush=True)
+        for instance in instances:
+            info = instance.info
+            print(f"  {instance.spec.name}: pid {info['pid']}, segment {info['ipc_name']} (kvctl list shows it), "
+                  f"KV capacity {info['capacity_bytes'] / (1 << 20):.0f} MiB, pages of "
+                  f"{info['page_bytes'] >> 10} KiB, {info['token_bytes']} bytes per token", flush=True)
+        recorder = _Recorder(instances, tag)
+        with make_view(1 / TICK_S) as view:
+            _drive(plan, instances, recorder, view, budget_bytes, holding=False)
+        record = {"device": options.device, "budget": {"name": tag, "bytes": budget_bytes},
+                  "workload": asdict(workload),
+                  "instances": [{"name": i.spec.name, "model": f"{i.spec.family} {workload.preset}", **i.info}
+                                for i in instances],
+                  "phases": [asdict(phase) for phase in plan], "samples": recorder.samples}
+        _write(record, options.out_png)
+        if options.hold:
+            print(_hold_commands(tag, instances), flush=True)
+            with make_view(1 / TICK_S) as view:
+                _drive(plan, instances, recorder, view, budget_bytes, holding=True)
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted: stopping the instances", flush=True)
+        return 130
+    finally:
+        for instance in instances:
+            instance.stop()
+        for instance in instances:
+            instance.join()
+        delete_budget(tag, force=True)
+
+
+def _write(record: dict, out_png: str) -> None:
+    json_path = os.path.splitext(out_png)[0] + ".json"
+    with open(json_path, "w") as f:
+        json.dump(record, f, indent=1)
+    plot.write_png(record, out_png)
+    summary = []
+    for index, instance in enumerate(record["instances"]):
+        last = record["samples"][-1]["instances"][index]
+        summary.append(f"{instance['name']}: {last['generated_tokens']} tokens generated, "
+                       f"{last['preemptions']} preemptions")
+    print("; ".join(summary), flush=True)
+    print(f"memory per instance over time: {os.path.abspath(out_png)} (samples: {os.path.abspath(json_path)})",
+          flush=True)
+
+
+def terminate_on_sigterm() -> None:
+    """SIGTERM takes the same path as Ctrl-C: instances stopped, budget removed."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+# Note [Sizing the demo]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# The budget must be what limits the instances, so the clients of a busy instance need more KV
+# memory than the budget holds: on the CPU, 40 clients with ~150 tokens each in the cache at 512
+# bytes per token (the tiny models in fp32) want ~3 MiB against a budget of 2.5 MiB; on CUDA, 96
+# clients of the Llama-3-8B shapes in bf16 (128 KiB per token) want ~8 GiB against 6 GiB. Alone,
+# a busy instance maps the whole budget and preempts; with the clients split, each half wants
+# ~60% of the budget, so the two compete: the budget is first come, first served (nothing divides
+# it), and the instance that had the memory keeps what its clients need while the newcomer runs on
+# the rest, preempting. Pages are small on the host backend (8 KiB per buffer, four blocks; a
+# page id maps 32 KiB) so that pages empty, and go back to the budget, while an instance is busy;
+# a pool of 2 to 4 pages trimmed after 0.3 s idle makes an idle instance give everything back
+# within the phase. The kvcached defaults (2 MiB pages, a pool of 5 to 10, trim after 30 s) suit
+# an engine, not a 20-second picture.
