@@ -1,12 +1,14 @@
 """Shared-memory segment per instance: usage, limit, and the operator's limit requests.
 
 Why a segment and not a socket or a file: operators (``kvctl``, ``kvtop``) must see every instance
-on a machine at once, even instances that hang, and the allocator must publish its usage on every
-page map/unmap without a system call. A small POSIX shared-memory file per instance
-(``/dev/shm/kvcached.<name>``), created once and kept mapped for the life of the instance, gives
-both: the writer stores into the mapping (~200 ns, no syscall), readers map it read-only and copy it
-under a sequence counter. The reference project opened, locked, mapped and closed its segment on
-every page alloc/free; this module never does.
+on a machine at once, even instances that hang, and an instance publishes its usage many times a
+second (the manager's publisher thread) without waiting on anyone. A small POSIX shared-memory file
+per instance (``/dev/shm/kvcached.<name>``), created once and kept open for the life of the
+instance, gives both: the owner writes its fields with ``pwrite`` (~3 µs a publish, no lock shared
+with any other process), readers copy the file with ``pread`` under sequence counters. Nobody maps
+it: a mapping faults once another program truncates the file (Note [A segment changed by another
+process]). The reference project opened, locked, mapped and closed its segment on every page
+alloc/free; this module never does.
 
 Pure Python, imports neither torch nor the compiled core: ``kvctl list`` must start in well under
 200 ms. Linux only (``/dev/shm``, ``/proc``).
@@ -45,10 +47,10 @@ offset type    field                 meaning
 256    char[]  name                  instance name, UTF-8, NUL-padded to 256 bytes
 ====== ======= ===================== ==========================================================
 
-Writers: the usage block is written only by ``MemInfoTracker.publish`` (single writer, see
-Note [Seqlock without a system call]); the limit block by the owner under its limit lock; the
+Writers: the usage block is written only by ``MemInfoTracker.publish`` (one thread at a time, see
+Note [Seqlock over pread and pwrite]); the limit block by the owner under its limit lock; the
 request block by operators under ``flock(LOCK_EX)`` of the segment file (see Note [Limit
-requests]); ``heartbeat_ns`` by the owner's background thread, as one aligned 8-byte store.
+requests]); ``heartbeat_ns`` by the owner's background thread, as one aligned 8-byte pwrite.
 
 Revision semantics (the manager's ``apply`` callback implements them; ``classify_limit_request``
 spells them out): a request whose revision is lower than the current revision is ``stale`` and
@@ -63,7 +65,6 @@ import atexit
 import fcntl
 import itertools
 import logging
-import mmap
 import os
 import signal
 import struct
@@ -72,6 +73,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
+from .checks import as_int
 from .errors import KVCachedConfigError, KVCachedError
 
 SHM_DIR = "/dev/shm"
@@ -105,11 +107,50 @@ _W_HEARTBEAT = _W["heartbeat_ns"]
 _W_USAGE_SEQ, _W_USED, _W_RESERVED = _W["usage_seq"], _W["used_bytes"], _W["reserved_bytes"]
 _W_LIMIT_SEQ, _W_REQUEST_SEQ = _W["limit_seq"], _W["request_seq"]
 _READ_ATTEMPTS = 10_000
+_WORD = struct.Struct("=q")
+I64_MAX = (1 << 63) - 1  # the largest value an i64 field holds
 
 assert _LAYOUT.size == SEGMENT_BYTES and OFFSETS["request_ns"] == 184
 assert (_W_USAGE_SEQ, _W_USED, _W_RESERVED) == (8, 9, 10)  # literals in publish()
 
 log = logging.getLogger("kvcached")
+
+
+# --------------------------------------------------------------------------------------------
+# Memory ordering of the seqlocks. See Note [Seqlock ordering on weakly ordered CPUs].
+# --------------------------------------------------------------------------------------------
+
+# CPUs whose stores become visible in program order and whose loads are not reordered with
+# older loads (total store order): plain accesses through a mapping are enough there.
+TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i486", "i586", "i686"})
+
+
+def fence_for(machine: str) -> Callable[[], None] | None:
+    """The full memory fence the seqlocks need on CPU ``machine`` (``os.uname().machine``), or
+    None where program order is already the order other cores see (TSO).
+
+    Elsewhere it is libatomic's ``atomic_thread_fence(memory_order_seq_cst)`` called through
+    ctypes (``dmb ish`` on aarch64, ~0.3 µs a call); without libatomic it warns once and returns
+    None. See Note [Seqlock ordering on weakly ordered CPUs].
+    """
+    if machine.lower() in TSO_MACHINES:
+        return None
+    import ctypes
+
+    try:
+        thread_fence = ctypes.CDLL("libatomic.so.1").atomic_thread_fence
+    except (OSError, AttributeError):
+        log.warning(
+            "kvcached: libatomic.so.1 (atomic_thread_fence) is missing on this %s machine: the "
+            "shared-memory segments are read and written without memory fences, so a reader may, "
+            "rarely, see a torn usage figure or limit request; install libatomic1", machine)
+        return None
+    thread_fence.argtypes, thread_fence.restype = (ctypes.c_int,), None
+    seq_cst = 5  # memory_order_seq_cst in <stdatomic.h>
+    return lambda: thread_fence(seq_cst)
+
+
+_FENCE = fence_for(os.uname().machine)
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,7 +217,7 @@ def validate_name(name: str) -> str:
     """Return ``name`` if it can name a segment, else raise KVCachedConfigError."""
     if not isinstance(name, str) or not name or name in (".", ".."):
         raise KVCachedConfigError(f"segment name {name!r} is invalid: give a non-empty string")
-    if "/" in name or any(ord(c) < 0x20 for c in name):
+    if "/" in name or not name.isprintable():
         raise KVCachedConfigError(
             f"segment name {name!r} is invalid: '/' and control characters are not allowed; "
             "use letters, digits, '_', '-' or '.'")
@@ -403,46 +444,70 @@ def _parse(raw: bytes, path: str, consistent: bool) -> Snapshot:
     )
 
 
-def _read_consistent(mm: mmap.mmap) -> tuple[bytes, bool]:
-    """Copy the segment while no seqlock writer is inside (Note [Seqlock without a system call]).
+def _seqs(raw: bytes) -> tuple[int, int, int]:
+    return (_WORD.unpack_from(raw, OFFSETS["usage_seq"])[0],
+            _WORD.unpack_from(raw, OFFSETS["limit_seq"])[0],
+            _WORD.unpack_from(raw, OFFSETS["request_seq"])[0])
+
+
+def _pread_segment(fd: int, path: str) -> bytes:
+    raw = os.pread(fd, SEGMENT_BYTES, 0)
+    if len(raw) < SEGMENT_BYTES:
+        raise KVCachedError(f"{path} is {len(raw)} bytes, not a kvcached segment "
+                            f"({SEGMENT_BYTES} bytes); `kvctl gc` removes it")
+    return raw
+
+
+def _read_consistent(fd: int, path: str) -> tuple[bytes, bool]:
+    """Copy the segment while no seqlock writer is inside (Note [Seqlock over pread and pwrite]):
+    the copy in the middle of three reads counts if the counters of the first and the third are
+    even and equal. Reads with pread, so a truncated file is an error, never a fault.
 
     Returns (bytes, consistent); consistent is False only if a writer stayed inside for all
     attempts (it died mid-write, or was descheduled): the copy is then the last one read.
+
+    Raises:
+        KVCachedError: the file is shorter than a segment.
     """
-    with memoryview(mm) as view, view.cast("q") as words:
-        raw = b""
-        for attempt in range(_READ_ATTEMPTS):
-            before = (words[_W_USAGE_SEQ], words[_W_LIMIT_SEQ], words[_W_REQUEST_SEQ])
-            raw = mm[:SEGMENT_BYTES]
-            if not (before[0] | before[1] | before[2]) & 1 and before == (
-                    words[_W_USAGE_SEQ], words[_W_LIMIT_SEQ], words[_W_REQUEST_SEQ]):
-                return raw, True
-            if attempt % 64 == 63:
-                time.sleep(0)
-        return raw, False
+    fence = _FENCE
+    before = _pread_segment(fd, path)
+    raw = before
+    for attempt in range(_READ_ATTEMPTS):
+        if fence is not None:
+            fence()  # the copy is read after the counters ...
+        raw = _pread_segment(fd, path)
+        if fence is not None:
+            fence()  # ... and before they are read again
+        after = _pread_segment(fd, path)
+        seqs = _seqs(before)
+        if not (seqs[0] | seqs[1] | seqs[2]) & 1 and seqs == _seqs(after):
+            return raw, True
+        before = after
+        if attempt % 64 == 63:
+            time.sleep(0)
+    return raw, False
 
 
-def _open_map(path: str, writable: bool = False) -> tuple[int, mmap.mmap]:
+def _open_segment(path: str, writable: bool = False) -> int:
+    """An fd of the segment file at ``path``, checked to be at least a segment long."""
     fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if size < SEGMENT_BYTES:
             raise KVCachedError(
                 f"{path} is {size} bytes, not a kvcached segment ({SEGMENT_BYTES} bytes); "
-                "remove it with kvctl delete if nothing uses it")
-        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        return fd, mmap.mmap(fd, SEGMENT_BYTES, mmap.MAP_SHARED, prot)
+                "`kvctl gc` removes it")
+        return fd
     except BaseException:
         os.close(fd)
         raise
 
 
 def _read_path(path: str) -> Snapshot:
-    fd, mm = _open_map(path)
+    fd = _open_segment(path)
     try:
-        raw, consistent = _read_consistent(mm)
+        raw, consistent = _read_consistent(fd, path)
     finally:
-        mm.close()
         os.close(fd)
     return _parse(raw, path, consistent)
 
@@ -508,41 +573,58 @@ def request_limit(name: str, limit_bytes: int, revision: int | None = None) -> L
     A later request supersedes one the instance has not handled yet. See Note [Limit requests].
 
     Raises:
-        KVCachedConfigError: ``limit_bytes`` below NO_LIMIT, ``revision`` negative, or not ints.
-        KVCachedError: no such instance, or its file is not a segment. Nothing was written.
+        KVCachedConfigError: ``limit_bytes`` outside [NO_LIMIT, I64_MAX] or ``revision`` outside
+            [0, I64_MAX] (what the segment's fields hold), or either not an int (numpy integers
+            are accepted; bools and floats are not).
+        KVCachedError: no such instance, its file is not a segment, its revision is already
+            I64_MAX, or its request sequence is corrupt.
+        In every case nothing was written.
     """
-    if not isinstance(limit_bytes, int) or limit_bytes < NO_LIMIT:
-        raise KVCachedConfigError(
-            f"limit_bytes={limit_bytes!r} is invalid: give an int >= 0 (0 releases everything), "
-            f"or NO_LIMIT ({NO_LIMIT}) to remove the limit")
-    if revision is not None and (not isinstance(revision, int) or revision < 0):
-        raise KVCachedConfigError(
-            f"revision={revision!r} is invalid: give an int >= 0, or None for the next one")
+    limit_bytes = as_int(limit_bytes, "limit_bytes", minimum=NO_LIMIT, maximum=I64_MAX,
+                         hint=f"give bytes (0 releases everything), or NO_LIMIT ({NO_LIMIT}) to "
+                              "remove the limit")
+    if revision is not None:
+        revision = as_int(revision, "revision", minimum=0, maximum=I64_MAX,
+                          hint="or None for the next one")
     path = segment_path(name)
     try:
-        fd, mm = _open_map(path, writable=True)
+        fd = _open_segment(path, writable=True)
     except FileNotFoundError:
         raise KVCachedError(
             f"no kvcached instance named {name!r} ({path} does not exist); "
             "`kvctl list` shows the names") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if mm[:4] != MAGIC:
-            raise KVCachedError(f"{path} is not a kvcached segment")
-        with memoryview(mm) as view, view.cast("q") as words:
-            if revision is None:
-                revision = max(words[_W["limit_revision"]], words[_W["request_revision"]]) + 1
-            seq = words[_W_REQUEST_SEQ]
-            seq += seq & 1  # a requester that died mid-write left it odd
-            words[_W_REQUEST_SEQ] = seq + 1
-            words[_W["request_limit_bytes"]] = limit_bytes
-            words[_W["request_revision"]] = revision
-            words[_W["request_pid"]] = os.getpid()
-            words[_W["request_ns"]] = time.time_ns()
-            words[_W_REQUEST_SEQ] = seq + 2
+        raw = _pread_segment(fd, path)
+        if raw[:4] != MAGIC:
+            raise KVCachedError(f"{path} is not a kvcached segment; `kvctl gc` removes it")
+        words = memoryview(raw).cast("q")
+        if revision is None:
+            current = max(words[_W["limit_revision"]], words[_W["request_revision"]])
+            if current >= I64_MAX:
+                raise KVCachedError(
+                    f"instance {name!r} is at revision {current}, the largest a segment "
+                    "holds: there is no next revision; restart the instance")
+            revision = max(current, -1) + 1
+        seq = words[_W_REQUEST_SEQ]
+        seq += seq & 1  # a requester that died mid-write left it odd
+        if not 0 <= seq <= I64_MAX - 2:
+            raise KVCachedError(
+                f"{path}: request sequence {seq} is corrupt (another program wrote it); "
+                "restart the instance")
+        # Everything is validated: from here on no write can fail for a bad value, so the
+        # sequence is never left odd. See Note [Limit requests].
+        fence = _FENCE
+        os.pwrite(fd, _WORD.pack(seq + 1), OFFSETS["request_seq"])
+        if fence is not None:
+            fence()  # odd before the fields
+        os.pwrite(fd, struct.pack("=4q", limit_bytes, revision, os.getpid(), time.time_ns()),
+                  OFFSETS["request_limit_bytes"])
+        if fence is not None:
+            fence()  # the fields before even
+        os.pwrite(fd, _WORD.pack(seq + 2), OFFSETS["request_seq"])
         return LimitRequest(name, limit_bytes, revision, seq + 2)
     finally:
-        mm.close()
         os.close(fd)
 
 
@@ -550,39 +632,58 @@ def wait_for_ack(request: LimitRequest, timeout_s: float = 1.0,
                  poll_s: float = 0.002) -> Snapshot | None:
     """Poll until the instance has handled ``request`` (or a later one); its snapshot then.
 
-    Returns None if ``timeout_s`` passed first, or earlier if the owner died. Compare
-    ``snapshot.ack_request_seq`` with ``request.request_seq``: greater means a later request
-    superseded this one and ``ack_status`` is that request's outcome.
+    Returns None if ``timeout_s`` passed first, or earlier if the owner died or its file stopped
+    being a segment. Compare ``snapshot.ack_request_seq`` with ``request.request_seq``: greater
+    means a later request superseded this one and ``ack_status`` is that request's outcome.
     """
     path = segment_path(request.name)
     deadline = time.monotonic() + timeout_s
     try:
-        fd, mm = _open_map(path)
-    except FileNotFoundError:
+        fd = _open_segment(path)
+    except (FileNotFoundError, KVCachedError):
         return None
     try:
         while True:
-            raw, consistent = _read_consistent(mm)
-            snap = _parse(raw, path, consistent)
+            try:
+                raw, consistent = _read_consistent(fd, path)
+                snap = _parse(raw, path, consistent)
+            except KVCachedError:
+                return None  # truncated or overwritten by another program
             if snap.ack_request_seq >= request.request_seq:
                 return snap
             if not snap.alive or time.monotonic() >= deadline:
                 return None
             time.sleep(poll_s)
     finally:
-        mm.close()
         os.close(fd)
 
 
+def invalid_segment(raw: bytes) -> str | None:
+    """Why ``raw`` (a file's first bytes) cannot be a kvcached segment of any layout version, or
+    None if it may be one. Never says so of a file another kvcached version wrote."""
+    if len(raw) < SEGMENT_BYTES:
+        return f"{len(raw)} bytes, not a kvcached segment"
+    if raw[:4] != MAGIC:
+        return f"magic {raw[:4]!r}, not a kvcached segment"
+    return None
+
+
 def _dead_segment(raw: bytes) -> bool:
-    if len(raw) < SEGMENT_BYTES or raw[:4] != MAGIC:
-        return False  # not ours to remove
+    if invalid_segment(raw) is not None or struct.unpack_from("=I", raw, 4)[0] != VERSION:
+        return False  # not ours to judge
     pid, start, pid_ns = struct.unpack_from("=qqq", raw, OFFSETS["pid"])
     alive = owner_alive(pid, start, pid_ns)
     if alive is None:
         heartbeat_ns = struct.unpack_from("=q", raw, OFFSETS["heartbeat_ns"])[0]
         return time.time_ns() - heartbeat_ns > STALE_AFTER_S * 1e9
     return not alive
+
+
+def _removable(raw: bytes) -> bool:
+    """A dead owner's segment, or a file at a segment's name that cannot be a segment (truncated
+    or overwritten by another program: no instance writes to it any more, see
+    Note [A segment changed by another process])."""
+    return invalid_segment(raw) is not None or _dead_segment(raw)
 
 
 def delete_segment(name: str, force: bool = False) -> None:
@@ -602,24 +703,37 @@ def delete_segment(name: str, force: bool = False) -> None:
         except FileNotFoundError:
             pass
         return
-    if not replace_if_dead(path, _dead_segment):
+    if not replace_if_dead(path, _removable):
         snap = _read_path(path)
         raise KVCachedError(
             f"instance {name!r} is alive (pid {snap.pid}); stop it first, or force the removal "
             "(kvctl delete --force), after which it publishes into a segment nobody sees")
 
 
-def gc_segments() -> list[str]:
-    """Remove the segments whose owner is dead (and leftover temporary files); their names.
+def gc_segments() -> dict[str, str]:
+    """Remove the segments whose owner is dead, the files at segment names that are not segments
+    (truncated or overwritten), and leftover temporary files; {name: why it was removed}.
 
     Owners in another pid namespace count as dead only when their heartbeat is older than
-    STALE_AFTER_S. See Note [Telling a dead owner]. O(number of segments).
+    STALE_AFTER_S. A live owner's valid segment is never removed. See Note [Telling a dead
+    owner]. O(number of segments).
     """
-    removed = []
+    removed = {}
     for name, snap in scan_segments():
-        if isinstance(snap, Snapshot) and not snap.alive:
-            if replace_if_dead(os.path.join(SHM_DIR, SEGMENT_PREFIX + name), _dead_segment):
-                removed.append(name)
+        if isinstance(snap, Snapshot):
+            if snap.alive:
+                continue
+            why = "owner dead"
+        elif isinstance(snap, KVCachedError):
+            why = "not a valid segment"
+        else:
+            continue  # unreadable by this user: not ours to judge
+        path = os.path.join(SHM_DIR, SEGMENT_PREFIX + name)
+        try:  # judged again under the file's lock: it may have been replaced meanwhile
+            if os.path.exists(path) and replace_if_dead(path, _removable):
+                removed[name] = why
+        except OSError:
+            continue
     for entry in os.listdir(SHM_DIR):
         if entry.startswith(TMP_PREFIX):
             pid = entry[len(TMP_PREFIX):].split(".")[0]
@@ -692,13 +806,15 @@ class MemInfoTracker:
     """The segment of one instance (or one pool of it), owned and written by this process.
 
     Lock contract: ``publish`` takes no lock and must not run in two threads at once (the
-    manager calls it under its allocator lock); the limit block is written under
+    manager calls it from its one publisher thread); the limit block is written under
     ``self._limit_lock`` (``set_limit``, ``set_capacity``, the watcher); the heartbeat word is
-    written only by the background thread. ``close`` is idempotent and may run in any thread.
+    written only by the background thread. ``close`` is idempotent and may run in any thread but
+    the background thread itself (from a limit callback); it returns once that thread has ended.
 
     Why not ``multiprocessing.shared_memory``: before Python 3.13 it registers every segment with
     the resource tracker, which unlinks segments that *other* processes created when this one
-    exits; an ``os.open`` + ``mmap`` of a file under /dev/shm is the same memory without that.
+    exits. Why pread/pwrite and not a mapping: a mapping of a file another program truncates
+    faults (SIGBUS) on the next access; see Note [A segment changed by another process].
     """
 
     def __init__(self, name: str | None = None, *, capacity_bytes: int = 0,
@@ -708,24 +824,23 @@ class MemInfoTracker:
 
         ``name``: the instance's name (the caller passes KVCACHED_IPC_NAME, suffixed per pool
         where it has several); None picks ``kvcached_<pid>_<n>``. A segment of that name left by
-        a dead process is taken over.
+        a dead process, or a file there that is not a segment, is taken over.
 
         Raises:
             KVCachedConfigError: invalid name or sizes, or a live process owns that name (the
-                message names its pid).
+                message names its pid, or says it is this process).
             KVCachedError: /dev/shm is missing or not writable.
         """
         self.name = validate_name(default_name() if name is None else name)
         self.path = segment_path(self.name)
-        for field, value in (("capacity_bytes", capacity_bytes),
-                             ("page_size_bytes", page_size_bytes)):
-            if not isinstance(value, int) or value < 0:
-                raise KVCachedConfigError(f"{field}={value!r} is invalid: give an int >= 0")
-        _check_limit(limit_bytes)
-        if not heartbeat_interval_s > 0:
+        capacity_bytes = as_int(capacity_bytes, "capacity_bytes", minimum=0, maximum=I64_MAX)
+        page_size_bytes = as_int(page_size_bytes, "page_size_bytes", minimum=0, maximum=I64_MAX)
+        limit_bytes = _check_limit(limit_bytes)
+        if not 0 < heartbeat_interval_s < 1e6:  # NaN fails too
             raise KVCachedConfigError(
-                f"heartbeat_interval_s={heartbeat_interval_s!r} must be > 0 (default "
-                f"{HEARTBEAT_INTERVAL_S}); readers call an instance stale after {STALE_AFTER_S} s")
+                f"heartbeat_interval_s={heartbeat_interval_s!r} must be in (0, 1e6) seconds "
+                f"(default {HEARTBEAT_INTERVAL_S}); readers call an instance stale after "
+                f"{STALE_AFTER_S} s")
         pid, start_time, pid_ns = self._identity = own_identity()
         now = time.time_ns()
         content = _LAYOUT.pack(
@@ -735,10 +850,14 @@ class MemInfoTracker:
             0, 0, 0, 0, 0,                                                # request block
             self.name.encode())
         self._fd = self._create(content)
-        self._mmap = mmap.mmap(self._fd, SEGMENT_BYTES)
-        self._words = memoryview(self._mmap).cast("q")
         self._ino = os.fstat(self._fd).st_ino
+        # What this process wrote: the owner reads its own fields here, never from the file.
+        self._shadow_raw = bytearray(content)
+        self._shadow = memoryview(self._shadow_raw).cast("q")
+        self._detached: str | None = None  # why the file no longer holds the segment
+        self._write_lock = threading.Lock()  # every write of the file by this process
         self._limit_lock = threading.Lock()
+        self._close_lock = threading.RLock()  # re-entered by a signal handler
         self._apply: ApplyLimit | None = None
         self._poll_s = heartbeat_interval_s
         self._heartbeat_ns = int(heartbeat_interval_s * 1e9)
@@ -754,32 +873,82 @@ class MemInfoTracker:
             fd = create_exclusive(self.path, content)
             if fd is not None:
                 return fd
-            if not replace_if_dead(self.path, _dead_segment):
-                if os.path.exists(self.path):
-                    try:
-                        owner = f"pid {_read_path(self.path).pid}"
-                    except (OSError, KVCachedError):
-                        owner = "a file that is not a readable segment"
-                    raise KVCachedConfigError(
-                        f"segment name {self.name!r} is in use by {owner} ({self.path}); give "
-                        "this instance another name (KVCACHED_IPC_NAME) or stop that process")
+            if not replace_if_dead(self.path, _removable) and os.path.exists(self.path):
+                raise KVCachedConfigError(self._name_taken())
         raise KVCachedError(f"could not create {self.path}: other processes keep replacing it")
 
-    # -- hot path -----------------------------------------------------------------------------
+    def _name_taken(self) -> str:
+        try:
+            snap = _read_path(self.path)
+        except (OSError, KVCachedError):
+            owner = "a file that is not a segment this kvcached can read"
+        else:
+            if (snap.pid, snap.start_time, snap.pid_ns) == self._identity:
+                return (
+                    f"segment name {self.name!r} is already used by this same process (pid "
+                    f"{snap.pid}): each tracker of a process needs its own name. Give every "
+                    "manager a distinct pool_name (its segment is named "
+                    "<KVCACHED_IPC_NAME>.<pool_name>), or close the one that uses the name")
+            owner = f"pid {snap.pid}"
+        return (f"segment name {self.name!r} is in use by {owner} ({self.path}); give this "
+                "instance another name (KVCACHED_IPC_NAME) or stop that process")
+
+    def _file_ok(self) -> bool:
+        """Whether writes may go to the file: open, not detached, and a segment long (one
+        fstat). Assumes ``self._write_lock``. See Note [A segment changed by another process]."""
+        if self._closed or self._detached is not None:
+            return False
+        size = os.fstat(self._fd).st_size
+        if size < SEGMENT_BYTES:
+            self._detach(f"was truncated to {size} bytes by another program")
+            return False
+        return True
+
+    def _detach(self, why: str) -> None:
+        """Stop writing to the file (nobody can read it as a segment); warn once. Assumes
+        ``self._write_lock``."""
+        self._detached = why
+        log.warning("kvcached: segment %s %s; instance %r no longer publishes its usage or takes "
+                    "limit requests until it restarts (`kvctl gc` removes the file)",
+                    self.path, why, self.name)
+
+    def _write_block(self, seq_index: int, stores: list[tuple[int, int]]) -> None:
+        """Write ``stores`` ((word index, checked value), one block's fields) under the block's
+        sequence counter ``seq_index``: into the shadow, then with pwrite into the file."""
+        with self._write_lock:
+            shadow = self._shadow
+            seq = shadow[seq_index] + 1
+            for index, value in stores:
+                shadow[index] = value
+            shadow[seq_index] = seq + 1
+            if not self._file_ok():
+                return
+            fd, fence = self._fd, _FENCE
+            first = min(index for index, _ in stores)
+            last = max(index for index, _ in stores) + 1
+            os.pwrite(fd, _WORD.pack(seq), seq_index * 8)
+            if fence is not None:
+                fence()  # odd before the fields
+            os.pwrite(fd, self._shadow_raw[first * 8:last * 8], first * 8)
+            if fence is not None:
+                fence()  # the fields before even
+            os.pwrite(fd, _WORD.pack(seq + 1), seq_index * 8)
+
+    # -- usage --------------------------------------------------------------------------------
 
     def publish(self, used_bytes: int, reserved_bytes: int) -> None:
-        """Record the instance's usage. No system call, no lock, no validation: ~200 ns.
+        """Record the instance's usage: an fstat and three pwrites, no waiting (~3 µs).
 
-        Not thread-safe: call it from one thread at a time (under the allocator's lock).
-        After ``close`` it writes into a private scratch buffer. See Note [Seqlock without a
-        system call].
+        Not thread-safe against itself: call it from one thread at a time (the manager's
+        publisher thread). After ``close`` it writes nowhere. See Note [Seqlock over pread and
+        pwrite].
+
+        Raises:
+            KVCachedConfigError: a figure outside [0, I64_MAX] or not an int. Nothing written.
         """
-        words = self._words
-        seq = words[8] + 1  # _W_USAGE_SEQ; literal indices keep this path short
-        words[8] = seq
-        words[9] = used_bytes
-        words[10] = reserved_bytes
-        words[8] = seq + 1
+        used_bytes = as_int(used_bytes, "used_bytes", minimum=0, maximum=I64_MAX)
+        reserved_bytes = as_int(reserved_bytes, "reserved_bytes", minimum=0, maximum=I64_MAX)
+        self._write_block(_W_USAGE_SEQ, [(_W_USED, used_bytes), (_W_RESERVED, reserved_bytes)])
 
     # -- limit block --------------------------------------------------------------------------
 
@@ -787,41 +956,41 @@ class MemInfoTracker:
         """Record the instance's current limit (NO_LIMIT for none), its revision and state.
 
         Raises:
-            KVCachedConfigError: negative limit other than NO_LIMIT, negative revision, or a
-                status not in STATUS_NAMES. Nothing was written.
+            KVCachedConfigError: limit outside [NO_LIMIT, I64_MAX], revision outside
+                [0, I64_MAX], either not an int, or a status not in STATUS_NAMES. Nothing was
+                written.
         """
-        _check_limit(limit_bytes)
-        if not isinstance(revision, int) or revision < 0:
-            raise KVCachedConfigError(f"revision={revision!r} is invalid: give an int >= 0")
+        limit_bytes = _check_limit(limit_bytes)
+        revision = as_int(revision, "revision", minimum=0, maximum=I64_MAX)
         code = _status_code(status)
         with self._limit_lock:
             self._write_limit_block(limit_bytes=limit_bytes, limit_revision=revision,
                                     limit_status=code)
 
     def recorded_limit(self) -> tuple[int, int, str]:
-        """(limit_bytes, revision, status) as the segment records them now. O(1), no system
-        call; after ``close``, zeros (the segment is gone)."""
+        """(limit_bytes, revision, status) as this owner last wrote them into the segment. O(1),
+        no system call."""
         with self._limit_lock:
-            words = self._words
+            words = self._shadow
             return (words[_W["limit_bytes"]], words[_W["limit_revision"]],
                     _status_name(words[_W["limit_status"]]))
 
     def set_capacity(self, capacity_bytes: int) -> None:
-        """Record the most bytes the instance could ever map (after its tensors were sized)."""
-        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise KVCachedConfigError(
-                f"capacity_bytes={capacity_bytes!r} is invalid: give an int >= 0")
+        """Record the most bytes the instance could ever map (after its tensors were sized).
+
+        Raises:
+            KVCachedConfigError: outside [0, I64_MAX] or not an int. Nothing was written.
+        """
+        capacity_bytes = as_int(capacity_bytes, "capacity_bytes", minimum=0, maximum=I64_MAX)
         with self._limit_lock:
             self._write_limit_block(capacity_bytes=capacity_bytes)
 
     def _write_limit_block(self, **fields: int) -> None:
-        """Assumes ``self._limit_lock``."""
-        words = self._words
-        seq = words[_W_LIMIT_SEQ] + 1
-        words[_W_LIMIT_SEQ] = seq
-        for field, value in fields.items():
-            words[_W[field]] = value
-        words[_W_LIMIT_SEQ] = seq + 1
+        """Assumes ``self._limit_lock``. Every value is checked before the first write, so a
+        failure never leaves the sequence odd."""
+        self._write_block(_W_LIMIT_SEQ, [
+            (_W[field], as_int(value, field, minimum=-I64_MAX - 1, maximum=I64_MAX))
+            for field, value in fields.items()])
 
     # -- background thread: heartbeat and limit requests --------------------------------------
 
@@ -833,7 +1002,9 @@ class MemInfoTracker:
         "revision": int}``. For applied/deferred the tracker records limit_bytes and revision
         (default: the requested ones) as the current limit; for stale/conflict it changes only the
         acknowledgement. An exception or a malformed answer is logged and acknowledged as
-        ``error``. A request already pending when the watcher starts is handled at once.
+        ``error``; so is a request the segment holds that no operator could have made (a limit
+        below NO_LIMIT, a negative revision: another program wrote it), without calling
+        ``apply``. A request already pending when the watcher starts is handled at once.
 
         Raises:
             KVCachedConfigError: ``interval_s`` not in (0, 1].
@@ -851,42 +1022,72 @@ class MemInfoTracker:
         self._poll_s = self._heartbeat_ns / 1e9
 
     def _run(self) -> None:
-        next_beat = 0
+        next_beat, failing = 0, False
         while not self._closed:
-            now = time.time_ns()
-            if now >= next_beat:
-                self._words[_W_HEARTBEAT] = now
-                next_beat = now + self._heartbeat_ns
-            apply = self._apply
-            if apply is not None:
-                self._handle_request(apply)
+            try:
+                now = time.time_ns()
+                if now >= next_beat:
+                    self._beat(now)
+                    next_beat = now + self._heartbeat_ns
+                apply = self._apply
+                if apply is not None:
+                    self._handle_request(apply)
+                failing = False
+            except Exception:  # a dead thread would leave the instance looking hung for good
+                if not failing:
+                    log.exception("kvcached: tracker %s: heartbeat or limit request failed; "
+                                  "retrying every poll", self.name)
+                failing = True
             self._wake.wait(self._poll_s)
             self._wake.clear()
 
+    def _beat(self, now_ns: int) -> None:
+        with self._write_lock:
+            self._shadow[_W_HEARTBEAT] = now_ns
+            if not self._file_ok():
+                return
+            if os.pread(self._fd, len(MAGIC), 0) != MAGIC:
+                self._detach("was overwritten by another program")
+                return
+            os.pwrite(self._fd, _WORD.pack(now_ns), OFFSETS["heartbeat_ns"])
+
     def _handle_request(self, apply: ApplyLimit) -> None:
-        words = self._words
-        seq = words[_W_REQUEST_SEQ]
-        if seq & 1 or seq == words[_W["ack_request_seq"]]:
+        if self._detached is not None:
             return
-        limit_bytes = words[_W["request_limit_bytes"]]
-        revision = words[_W["request_revision"]]
-        if words[_W_REQUEST_SEQ] != seq:
+        fd, fence = self._fd, _FENCE
+        head = os.pread(fd, 8, OFFSETS["request_seq"])
+        if len(head) < 8:
+            return  # truncated: the next heartbeat detaches
+        seq = _WORD.unpack(head)[0]
+        if seq & 1 or seq == self._shadow[_W["ack_request_seq"]]:
+            return
+        if fence is not None:
+            fence()  # the fields are read after the sequence ...
+        body = os.pread(fd, 16, OFFSETS["request_limit_bytes"])
+        if fence is not None:
+            fence()  # ... and before it is read again
+        if len(body) < 16 or os.pread(fd, 8, OFFSETS["request_seq"]) != head:
             return  # rewritten meanwhile: take the newer request on the next poll
-        try:
-            result = apply(limit_bytes, revision)
-            status = result["status"]
-            code = _status_code(status)
-            if status in ("applied", "deferred"):
-                limit_bytes = result.get("limit_bytes", limit_bytes)
-                revision = result.get("revision", revision)
-                _check_limit(limit_bytes)
-                if not isinstance(revision, int) or revision < 0:
-                    raise KVCachedConfigError(f"revision={revision!r} must be an int >= 0")
-        except Exception:
-            log.exception("kvcached: limit callback failed for %s (limit %r, revision %r)",
-                          self.name, limit_bytes, revision)
+        limit_bytes, revision = struct.unpack("=2q", body)
+        if limit_bytes < NO_LIMIT or revision < 0:
+            log.warning("kvcached: %s: request %d (limit %d, revision %d) is not one an operator "
+                        "can make (another program wrote it); answered as error",
+                        self.name, seq, limit_bytes, revision)
             status, code = "error", _STATUS_CODE["error"]
-        ack = dict(ack_request_seq=seq, ack_status=code, ack_ns=time.time_ns())
+        else:
+            try:
+                result = apply(limit_bytes, revision)
+                status = result["status"]
+                code = _status_code(status)
+                if status in ("applied", "deferred"):
+                    limit_bytes = _check_limit(result.get("limit_bytes", limit_bytes))
+                    revision = as_int(result.get("revision", revision), "revision", minimum=0,
+                                      maximum=I64_MAX)
+            except Exception:
+                log.exception("kvcached: limit callback failed for %s (limit %r, revision %r)",
+                              self.name, limit_bytes, revision)
+                status, code = "error", _STATUS_CODE["error"]
+        ack = {"ack_request_seq": seq, "ack_status": code, "ack_ns": time.time_ns()}
         with self._limit_lock:
             if status in ("applied", "deferred"):
                 self._write_limit_block(limit_bytes=limit_bytes, limit_revision=revision,
@@ -900,11 +1101,13 @@ class MemInfoTracker:
         """This segment as a reader sees it.
 
         Raises:
-            KVCachedError: the tracker is closed.
+            KVCachedError: the tracker is closed, or another program truncated or overwrote its
+                file (it publishes no more).
         """
-        if self._mmap is None:
-            raise KVCachedError(f"tracker {self.name!r} is closed; its segment is gone")
-        raw, consistent = _read_consistent(self._mmap)
+        why = "is closed" if self._closed else self._detached
+        if why is not None:
+            raise KVCachedError(f"tracker {self.name!r}: its segment {self.path} {why}")
+        raw, consistent = _read_consistent(self._fd, self.path)
         return _parse(raw, self.path, consistent)
 
     def check_invariants(self) -> None:
@@ -932,27 +1135,30 @@ class MemInfoTracker:
     # -- life cycle ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the background thread and unlink the segment (if it is still ours). Idempotent.
+        """Stop the background thread, wait for it to end, and unlink the segment (if it is
+        still ours). Idempotent; safe from any thread but the background thread itself (a limit
+        callback that closes its tracker returns before that thread has ended).
 
-        A forked child that inherited this object leaves its parent's segment alone.
+        Waits for a limit callback in progress: do not call it while holding a lock the callback
+        takes. A forked child that inherited this object leaves its parent's segment alone.
         """
-        if self._closed:
-            return
-        self._closed = True
-        cancel_close_at_exit(self)
-        if os.getpid() != self._identity[0]:
-            return
-        self._wake.set()  # the thread exits at its next wake; a callback in progress completes
-        try:
-            if os.stat(self.path).st_ino == self._ino:
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-        # In-flight publishes on other threads keep the old view alive until they return; the
-        # mapping is released when the last reference goes.
-        self._words = memoryview(bytearray(SEGMENT_BYTES)).cast("q")
-        self._mmap = None
-        os.close(self._fd)
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+            cancel_close_at_exit(self)
+            if os.getpid() != self._identity[0]:
+                return
+            self._wake.set()
+            if threading.current_thread() is not self._thread:
+                self._thread.join()
+            try:
+                if os.stat(self.path).st_ino == self._ino:
+                    os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            with self._write_lock:  # a write in progress finishes first; later ones skip the file
+                os.close(self._fd)
 
     def __enter__(self) -> MemInfoTracker:
         return self
@@ -964,10 +1170,9 @@ class MemInfoTracker:
         return f"MemInfoTracker(name={self.name!r}, path={self.path!r}, closed={self._closed})"
 
 
-def _check_limit(limit_bytes: int) -> None:
-    if not isinstance(limit_bytes, int) or limit_bytes < NO_LIMIT:
-        raise KVCachedConfigError(
-            f"limit_bytes={limit_bytes!r} is invalid: give an int >= 0, or NO_LIMIT (-1)")
+def _check_limit(limit_bytes: object) -> int:
+    return as_int(limit_bytes, "limit_bytes", minimum=NO_LIMIT, maximum=I64_MAX,
+                  hint=f"give bytes, or NO_LIMIT ({NO_LIMIT}) for no limit")
 
 
 def _status_code(status: str) -> int:
@@ -977,27 +1182,68 @@ def _status_code(status: str) -> int:
     return code
 
 
-# Note [Seqlock without a system call]
+# Note [Seqlock over pread and pwrite]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# Each block has a sequence counter. Its single writer bumps it to odd, stores the fields, bumps
-# it to even; a reader reads the counters, copies the segment, reads them again and keeps the
-# copy only if all were even and unchanged (retrying otherwise). The writer never waits, so the
-# allocator's hot path costs four 8-byte stores through a memoryview of the mapping. Single
-# writer per block: publish() has no lock (the manager's allocator lock serialises it); the
-# limit block has a threading.Lock (its writers are rare); the request block is written by other
-# processes, serialised by flock. The order of the stores is the order the CPU makes them
-# visible on x86-64 (TSO); on weakly ordered CPUs (aarch64) CPython puts no fence between
-# memoryview stores, so there a reader may, rarely, keep a copy mixing two publishes. Only the
-# usage figures (monitoring) are exposed to that; the limit handshake is matched by
-# ack_request_seq, which is written last.
+# Each block has a sequence counter. Its single writer writes it odd, then the fields, then even,
+# each with its own pwrite; a reader copies the segment three times with pread and keeps the
+# middle copy only if the counters of the first and the third were all even and equal (retrying
+# otherwise): then no writer was inside a block during the middle copy. The writer never waits
+# for a reader. Single writer per block: within the owner every write goes through
+# _write_block under one threading.Lock (publish from the manager's publisher thread, the limit
+# block from set_limit and the watcher), and the owner keeps a shadow of what it wrote, so it never
+# reads its own fields back; the request block is written by other processes, serialised by
+# flock. Every value is validated before the first write, so no failing write leaves a counter
+# odd. The order in which other cores see the writes and reads: Note [Seqlock ordering on weakly
+# ordered CPUs].
+#
+# Note [Seqlock ordering on weakly ordered CPUs]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A seqlock needs two orders: the writer's odd counter visible before the fields and the fields
+# before the even counter; the reader's field loads after its first counter load and before its
+# last. Each step here is its own pread or pwrite, whose kernel copy has finished when the call
+# returns, and a counter is one aligned 8-byte word. What remains is the CPU:
+# - x86-64 (TSO) keeps both orders itself: stores become visible in program order, and loads are
+#   not reordered with older loads. Nothing more is needed.
+# - aarch64 (Grace, GB10) and other weakly ordered CPUs may make two stores visible out of order
+#   and satisfy two loads out of order, across system calls too (entering and leaving the kernel
+#   is no memory barrier). Nothing in CPython 3.11 orders them either: the eval loop's own atomics
+#   are relaxed, reference counts are plain, and the GIL changes hands only every switch
+#   interval; a lock (GIL, threading.Lock) is an acquire/release pair, which orders accesses
+#   against the lock word, not an access before it against one after it. Python alone cannot
+#   order two accesses; a fence instruction must run between them.
+# So on any machine not known to be TSO, fence_for() supplies a full fence, libatomic's
+# atomic_thread_fence(memory_order_seq_cst) called through ctypes (`dmb ish` on aarch64, ~0.3 µs
+# a call), and every seqlock writer (_write_block, request_limit) and reader (_read_consistent,
+# _handle_request) calls it at the two points above. Without libatomic it warns once and runs
+# unfenced. A compiled helper would drop that dependency, but not in the compiled core: importing
+# it loads the CUDA bindings (~80 ms) and kvctl must start fast. Requesters need no fence among
+# themselves: flock is a kernel lock, and its hand-over orders everything before it.
+#
+# Note [A segment changed by another process]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Once another program shrinks a file (`truncate -s 0`), the next access to a mapping of it
+# raises SIGBUS, which Python cannot catch; nothing stops a named tmpfs file from shrinking (only
+# memfd seals can, and readers need a file to open), and a size check before each access leaves a
+# window in which a busy writer still faults. So no process maps a segment: the owner writes with
+# pwrite and readers read with pread, which report a short file as a short read instead. The owner
+# fstats the file before each write and reads the magic at each heartbeat; once the file is
+# shorter than a segment or holds another magic (truncated and extended again, or scribbled on),
+# it stops writing to it, logs one warning, and publishes and takes requests no more until it
+# restarts. Unlinking or replacing the file is harmless: the owner's fd keeps the old file alive
+# and it writes into a segment nobody sees, as after `kvctl delete --force`. A file at a segment's
+# name that is too short or holds another magic is no instance's live segment (segments appear
+# complete, by link()), so gc_segments() removes it and a new instance of that name takes over.
 #
 # Note [Limit requests]
 # ~~~~~~~~~~~~~~~~~~~~~
-# kvctl takes flock(LOCK_EX) on the segment file, picks the revision, writes the request block
-# under its seqlock and releases the lock: requesters are serialised and never see each other's
-# half-written request. The instance's background thread polls request_seq (one load per poll),
-# calls the manager's callback outside any lock of the segment, then records the outcome and
-# ack_request_seq in the limit block. Requests are idempotent by revision, so a request that is
+# kvctl takes flock(LOCK_EX) on the segment file, validates everything (limit and revision within
+# what an i64 field holds, the next revision and sequence too), then writes the request block
+# under its seqlock and releases the lock: requesters are serialised, never see each other's
+# half-written request, and a refused request leaves the block untouched. The instance's
+# background thread polls request_seq (one 8-byte pread per poll), refuses a request no operator
+# could have written (answered "error", the callback not called), calls the manager's callback
+# outside any lock of the segment, then records the outcome and ack_request_seq in the limit
+# block. An exception anywhere in a poll is logged and the thread polls on. Requests are idempotent by revision, so a request that is
 # superseded before the instance saw it is simply never acknowledged by its own sequence number
 # (wait_for_ack reports the later one's outcome).
 #

@@ -208,6 +208,25 @@ def role_writer(args: argparse.Namespace) -> None:
     tracker.close()
 
 
+def role_busy(args: argparse.Namespace) -> None:
+    """Publish flat out, with the watcher on, until stdin closes; answer each ``report`` line with
+    ``{"publishes", "detached"}`` (why the tracker stopped writing its file, or null)."""
+    tracker = MemInfoTracker(args.name, capacity_bytes=1 << 30)
+    tracker.start_watcher(ModelManager(-1, 0).apply)
+    print("READY", flush=True)
+    publishes = 0
+    while True:
+        for _ in range(100):
+            publishes += 1
+            tracker.publish(publishes, publishes)
+        if select.select([sys.stdin], [], [], 0)[0]:
+            line = sys.stdin.readline()
+            if not line:
+                break
+            print(json.dumps({"publishes": publishes, "detached": tracker._detached}), flush=True)
+    tracker.close()
+
+
 def role_budget_worker(args: argparse.Namespace) -> None:
     """Churn on a budget; ``actual[idx]`` shadows what this worker holds: raised after a
     successful acquire, lowered before a release (so it never exceeds what the budget says)."""
@@ -260,6 +279,9 @@ def main() -> None:
     p.add_argument("--watch", action="store_true")
     p.add_argument("--own-sigterm", action="store_true")
     p.set_defaults(run=role_hold)
+    p = sub.add_parser("busy")
+    p.add_argument("name")
+    p.set_defaults(run=role_busy)
     p = sub.add_parser("writer")
     p.add_argument("name")
     p.add_argument("seconds", type=float)

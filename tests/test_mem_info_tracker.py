@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import struct
+import threading
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +19,7 @@ from _procs import Proc, unique_name
 from kvcached import mem_info_tracker as mit
 from kvcached.errors import KVCachedConfigError, KVCachedError
 from kvcached.mem_info_tracker import (
+    I64_MAX,
     NO_LIMIT,
     MemInfoTracker,
     classify_limit_request,
@@ -88,10 +92,20 @@ def test_invalid_sizes_rejected():
         MemInfoTracker(unique_name("bad"), limit_bytes=-5)
 
 
-def test_name_held_by_a_live_process_is_refused(tracker):
-    with pytest.raises(KVCachedConfigError, match=f"in use by pid {os.getpid()}"):
+def test_name_held_by_this_process_says_so(tracker):
+    with pytest.raises(KVCachedConfigError,
+                       match=f"already used by this same process \\(pid {os.getpid()}\\).*"
+                             "distinct pool_name"):
         MemInfoTracker(tracker.name)
     assert read_segment(tracker.name).pid == os.getpid()
+
+
+def test_name_held_by_another_live_process_is_refused():
+    name = unique_name("other")
+    with Proc("hold", name) as holder:
+        with pytest.raises(KVCachedConfigError, match=f"in use by pid {holder.pid} "):
+            MemInfoTracker(name)
+        assert read_segment(name).pid == holder.pid
 
 
 def test_close_is_idempotent_and_publish_after_close_is_harmless():
@@ -104,10 +118,30 @@ def test_close_is_idempotent_and_publish_after_close_is_harmless():
         t.snapshot()
 
 
+def _poke(path: str, field: str, *values: int) -> None:
+    """Write i64 ``values`` at ``field``'s offset of a segment file, as another program could."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, struct.pack(f"={len(values)}q", *values), mit.OFFSETS[field])
+    finally:
+        os.close(fd)
+
+
 def test_check_invariants_catches_bad_usage(tracker):
-    tracker.publish(-1, 0)
+    _poke(tracker.path, "used_bytes", -1)
     with pytest.raises(AssertionError, match="negative usage"):
         tracker.check_invariants()
+
+
+@pytest.mark.parametrize("used, reserved", [(-1, 0), (0, 1 << 63), (1.5, 0), (True, 0)])
+def test_publish_refuses_figures_a_segment_cannot_hold(tracker, used, reserved):
+    tracker.publish(3, 4)
+    with pytest.raises(KVCachedConfigError, match="_bytes="):
+        tracker.publish(used, reserved)
+    snap = read_segment(tracker.name)
+    assert (snap.used_bytes, snap.reserved_bytes, snap.consistent) == (3, 4, True)
+    tracker.publish(np.int64(5), np.uint32(6))  # numpy integers are integers
+    assert read_segment(tracker.name).mapped_bytes == 11
 
 
 def test_reader_never_sees_a_torn_publish():
@@ -298,3 +332,229 @@ def test_split_limit_properties(limit, page, capacities):
     for share, weight in zip(shares, weights):
         exact = (limit // unit) * weight / sum(weights)
         assert abs(share // unit - exact) < 1 + 1e-6 * exact
+
+
+# -- values a segment cannot hold, and requests no operator can make --------------------------
+
+@pytest.fixture(scope="module")
+def shared_tracker():
+    t = MemInfoTracker(unique_name("shared"))
+    yield t
+    t.close()
+
+
+def _request_block(path: str) -> bytes:
+    with open(path, "rb") as f:
+        raw = f.read()
+    return raw[mit.OFFSETS["request_seq"]:mit.OFFSETS["request_ns"] + 8]
+
+
+_INTS = st.one_of(st.integers(-(1 << 70), 1 << 70), st.sampled_from(
+    [-2, -1, 0, I64_MAX, I64_MAX + 1, 1 << 63, 99999999999999999999]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(limit=st.one_of(_INTS, st.sampled_from([True, 1.5, float("nan"), float("inf"), "1",
+                                                np.int64(7), np.uint64(1 << 63)])),
+       revision=st.one_of(st.none(), _INTS, st.sampled_from([False, 2.0, np.int32(3)])))
+def test_request_limit_writes_only_what_a_segment_holds(shared_tracker, limit, revision):
+    """A request within [NO_LIMIT, I64_MAX] x [0, I64_MAX] is written whole; anything else is
+    refused with KVCachedConfigError naming the value, and the request block is untouched (the
+    sequence even)."""
+    path = shared_tracker.path
+    before = _request_block(path)
+    valid_limit = (not isinstance(limit, (bool, float, str))
+                   and NO_LIMIT <= int(limit) <= I64_MAX)
+    valid_revision = revision is None or (not isinstance(revision, (bool, float))
+                                          and 0 <= int(revision) <= I64_MAX)
+    if valid_limit and valid_revision:
+        request = request_limit(shared_tracker.name, limit, revision)
+        snap = read_segment(shared_tracker.name)
+        assert (snap.request_limit_bytes, snap.request_seq) == (int(limit), request.request_seq)
+        assert snap.request_seq % 2 == 0
+        return
+    with pytest.raises(KVCachedConfigError, match="limit_bytes=|revision=") as info:
+        request_limit(shared_tracker.name, limit, revision)
+    assert repr(limit if not valid_limit else revision) in str(info.value)
+    assert _request_block(path) == before
+
+
+def test_no_revision_past_the_largest(tracker):
+    _poke(tracker.path, "limit_revision", I64_MAX)
+    before = _request_block(tracker.path)
+    with pytest.raises(KVCachedError, match="no next revision"):
+        request_limit(tracker.name, 1 << 20)
+    assert _request_block(tracker.path) == before
+
+
+def _wait(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def test_watcher_survives_requests_no_operator_can_make(tracker):
+    recorder = Recorder()
+    tracker.start_watcher(recorder)
+    for limit, revision in ((-7, 1), (5, -1)):  # written by another program, not by kvctl
+        seq = read_segment(tracker.name).request_seq + 2
+        _poke(tracker.path, "request_limit_bytes", limit, revision)
+        _poke(tracker.path, "request_seq", seq)
+        _wait(lambda: read_segment(tracker.name).ack_request_seq == seq, what="the answer")
+        assert read_segment(tracker.name).ack_status == "error"
+    assert recorder.calls == []  # never handed to the callback
+
+    class Huge(Recorder):
+        def __call__(self, limit_bytes, revision):
+            return {"status": "applied", "limit_bytes": 1 << 64, "revision": revision}
+
+    tracker.start_watcher(Huge())  # a callback answering what no segment holds
+    ack = wait_for_ack(request_limit(tracker.name, 1 << 20), timeout_s=30)
+    assert ack.ack_status == "error" and ack.consistent
+    tracker.start_watcher(recorder)  # the thread is still alive and answers
+    ack = wait_for_ack(request_limit(tracker.name, 2 << 20), timeout_s=30)
+    assert (ack.ack_status, ack.limit_bytes) == ("applied", 2 << 20)
+    tracker.check_invariants()
+
+
+# -- close ------------------------------------------------------------------------------------
+
+def test_close_waits_for_the_watcher_to_end():
+    t = MemInfoTracker(unique_name("join"))
+    entered, release = threading.Event(), threading.Event()
+
+    def blocking(limit_bytes, revision):
+        entered.set()
+        release.wait(30)
+        return {"status": "applied"}
+
+    t.start_watcher(blocking)
+    request_limit(t.name, 1 << 20)
+    assert entered.wait(30)
+    closer = threading.Thread(target=t.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # still waiting for the callback in progress
+    release.set()
+    closer.join(30)
+    assert not closer.is_alive() and not t._thread.is_alive()
+    assert not os.path.exists(t.path)
+
+
+def test_close_from_the_callback_and_from_many_threads():
+    t = MemInfoTracker(unique_name("selfclose"))
+    closed = threading.Event()
+
+    def closing(limit_bytes, revision):
+        t.close()  # from the watcher itself: must not wait for itself
+        closed.set()
+        return {"status": "applied"}
+
+    t.start_watcher(closing)
+    request_limit(t.name, 1 << 20)
+    assert closed.wait(30)
+    t._thread.join(30)
+    assert not t._thread.is_alive() and not os.path.exists(t.path)
+
+    t = MemInfoTracker(unique_name("manyclose"))
+    closers = [threading.Thread(target=t.close) for _ in range(8)]
+    for c in closers:
+        c.start()
+    for c in closers:
+        c.join(30)
+    assert not any(c.is_alive() for c in closers) and not t._thread.is_alive()
+    assert not os.path.exists(t.path)
+
+
+# -- a segment file changed by another program -------------------------------------------------
+
+def _truncate(path, size):
+    os.truncate(path, size)
+
+
+def _regrow(path):
+    os.truncate(path, 0)
+    os.truncate(path, mit.SEGMENT_BYTES)  # the right size again, all zeros
+
+
+def _scribble(path):
+    fd = os.open(path, os.O_RDWR)
+    os.pwrite(fd, b"\x1b[2J", 0)
+    os.close(fd)
+
+
+def _replace(path):
+    with open(path + ".new", "wb") as f:
+        f.write(b"garbage")
+    os.rename(path + ".new", path)
+
+
+@pytest.mark.parametrize("change, detaches", [
+    (lambda p: _truncate(p, 0), True), (lambda p: _truncate(p, 100), True), (_regrow, True),
+    (_scribble, True), (os.unlink, False), (_replace, False)],
+    ids=["truncate-0", "truncate-100", "truncate-regrow", "scribble", "unlink", "replace"])
+def test_owner_survives_any_change_to_its_file(change, detaches):
+    """A process publishing flat out while another program changes its segment file keeps
+    running (it died of SIGBUS before); gc then removes whatever is not a segment, and never
+    the live segment of a bystander."""
+    name, bystander = unique_name("victim"), unique_name("bystander")
+    with Proc("hold", bystander), Proc("busy", name) as busy:
+        path = read_segment(name).path
+        change(path)
+        deadline = time.monotonic() + 30
+        while True:
+            busy.send("report")
+            report = json.loads(busy.readline(timeout_s=30))
+            if bool(report["detached"]) == detaches or time.monotonic() > deadline:
+                break
+        assert bool(report["detached"]) == detaches, report
+        busy.send("report")
+        assert json.loads(busy.readline(timeout_s=30))["publishes"] > report["publishes"]
+        removed = gc_segments()
+        assert bystander not in removed and read_segment(bystander).alive
+        if os.path.exists(path):
+            assert removed.get(name) == "not a valid segment"
+            assert not os.path.exists(path)
+        status, _, err = busy.finish()
+    assert status == 0, err
+    if detaches:
+        assert err.count("no longer publishes") == 1  # one warning
+
+
+def test_gc_removes_files_that_are_not_segments():
+    short, foreign = (mit.segment_path(unique_name(tag)) for tag in ("short", "foreign"))
+    with open(short, "wb") as f:
+        f.write(b"KVCT")
+    with open(foreign, "wb") as f:
+        f.write(b"\x1b]0;pwned\x07".ljust(mit.SEGMENT_BYTES, b"\0"))
+    removed = gc_segments()
+    assert {os.path.basename(p)[len(mit.SEGMENT_PREFIX):] for p in (short, foreign)} <= set(removed)
+    assert not os.path.exists(short) and not os.path.exists(foreign)
+
+
+def test_a_file_that_is_not_a_segment_is_taken_over():
+    name = unique_name("takeinvalid")
+    with open(mit.segment_path(name), "wb") as f:
+        f.write(b"")
+    with MemInfoTracker(name) as t:
+        t.check_invariants()
+
+
+# -- memory ordering ----------------------------------------------------------------------------
+
+def test_fence_only_where_the_cpu_needs_one(monkeypatch, tracker):
+    assert mit.fence_for("x86_64") is None
+    try:
+        fence = mit.fence_for("aarch64")  # libatomic's fence, as on Grace
+    except OSError:
+        fence = None
+    if fence is None:
+        pytest.skip("libatomic.so.1 is not installed")
+    calls = []
+    monkeypatch.setattr(mit, "_FENCE", lambda: (calls.append(1), fence()))
+    tracker.start_watcher(Recorder())
+    tracker.publish(7, 8)
+    ack = wait_for_ack(request_limit(tracker.name, 1 << 20), timeout_s=30)
+    assert ack.ack_status == "applied" and ack.mapped_bytes == 15
+    assert len(calls) >= 8  # publish, request, answer and reads each fenced twice
