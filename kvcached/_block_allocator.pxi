@@ -471,15 +471,28 @@ cdef class BlockAllocator:
             pthread_mutex_unlock(&self.lock)
         return rc
 
+    cdef int _return_pages(self, int ne) except -1:
+        """Give the pages that became empty (page_buf[0..ne)) back, under `lock`. The blocks are
+        free already, so a driver failure while the page allocator unmaps is not raised to the
+        caller of free: it is kept in pages.last_error, and the pages stay accounted for (pool,
+        pending, or queued for an unmap retry: Note [Failed unmap])."""
+        if self.pages.return_pages_fast(ne, self.page_buf) == 0:
+            return 0
+        try:
+            with nogil:
+                self.pages.return_pages(ne, self.page_buf)
+        except Exception as exc:
+            self.pages.last_error = exc
+        return 0
+
     cdef int _run_free(self, int n, const int32_t* ids) except -1:
         cdef int rc, ne = 0
         cdef int64_t bad[2]
         self._lock()
         try:
             rc = self._free_locked(n, ids, &ne, bad)
-            if rc == 0 and ne > 0 and self.pages.return_pages_fast(ne, self.page_buf) != 0:
-                with nogil:
-                    self.pages.return_pages(ne, self.page_buf)
+            if rc == 0 and ne > 0:
+                self._return_pages(ne)
         finally:
             pthread_mutex_unlock(&self.lock)
         if rc == _BAD_ID and self.live_token != _fork_generation:
@@ -651,9 +664,8 @@ cdef class BlockAllocator:
             self.num_held = 0
             if n:
                 self._free_locked(<int>n, self.held, &ne, bad)
-                if ne and self.pages.return_pages_fast(ne, self.page_buf) != 0:
-                    with nogil:
-                        self.pages.return_pages(ne, self.page_buf)
+                if ne:
+                    self._return_pages(ne)
         finally:
             pthread_mutex_unlock(&self.lock)
 
@@ -687,9 +699,8 @@ cdef class BlockAllocator:
             self.num_held = 0
             if n:
                 self._free_locked(<int>n, ids, &ne, bad)
-                if ne and self.pages.return_pages_fast(ne, self.page_buf) != 0:
-                    with nogil:
-                        self.pages.return_pages(ne, self.page_buf)
+                if ne:
+                    self._return_pages(ne)
         finally:
             free(ids)
         return 0

@@ -252,6 +252,8 @@ cdef class PageAllocator:
     cdef uint64_t num_maps, num_unmaps, num_pool_hits, num_slow_path, num_oom
     cdef uint64_t num_fences, num_idle_trims, num_refills
     cdef uint64_t num_unmap_failures            # page unmaps the driver refused (each retried later)
+    cdef uint64_t num_refill_failures           # refill chunks that could not map (out of memory, gate, error)
+    cdef uint64_t num_bg_rounds                 # rounds the background thread completed (tests wait on it)
 
     # the data path (callers: BlockAllocator, the manager); see each docstring for its locks
     cdef int take_pages(self, int n, int32_t* out) except -1 nogil                    # 0 / _OOM
@@ -337,3 +339,4 @@ cdef class BlockAllocator:
     cdef int _clear_locked(self) except -1
     cdef int _run_alloc(self, int n, int32_t* out, bint use_held) except -1          # 0 / _OOM; GIL held
     cdef int _run_free(self, int n, const int32_t* ids) except -1                    # raises BlockStateError; GIL held
+    cdef int _return_pages(self, int ne) except -1                                   # page_buf[0..ne) back; never raises past the free

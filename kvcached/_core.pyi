@@ -70,6 +70,8 @@ class _PageAllocatorStats(TypedDict):
     refill_target: int
     unmap_retries: int
     num_unmap_failures: int
+    num_refill_failures: int
+    num_bg_rounds: int
 
 class _BlockAllocatorStats(TypedDict):
     """BlockAllocator.stats(): block counts and counters, the page allocator's under "pages"."""
@@ -352,7 +354,7 @@ class PageAllocator:
     stream: int
     """CUstream (as int) the fences of returned pages are recorded on."""
     last_error: BaseException | None
-    """Last exception the background thread caught, or None."""
+    """Last exception caught off the caller's path (background thread, returning pages after a free), or None."""
     @property
     def lifecycle(self) -> _Lifecycle:
         """"closed" after close(), "forked" in a forked child: then methods raise KVCachedError."""

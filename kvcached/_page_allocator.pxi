@@ -426,14 +426,29 @@ cdef class PageAllocator:
         max_reserved (and the limit), the rest pending behind one fence recorded on `stream`,
         unmapped once it is done (Note [Deferred unmap]). Call without the GIL. Takes lock, and
         map_lock only if free (a busy one means someone else will drain)."""
-        cdef int i, k, room, tail
+        cdef int i, k = -1, room, tail
         cdef int32_t p
         cdef uintptr_t fence = 0
         if n <= 0:
             return 0
         if self.return_pages_fast(n, ids) == 0:
             return 0
-        self.backend._record_fence(self.stream, &fence)
+        try:
+            self.backend._record_fence(self.stream, &fence)
+            k = 0
+        finally:
+            if k != 0:
+                # no fence, so nothing may be unmapped: the pages stay mapped, in the pool (even
+                # past max_reserved; a trim or limit unmaps them later), never lost
+                pthread_mutex_lock(&self.lock)
+                for i in range(n):
+                    p = ids[i]
+                    self.state[p] = _PS_POOL
+                    self.pool[self.num_pool] = p
+                    self.num_pool += 1
+                    self.pool_weight += self.weight[p]
+                self.num_used -= n
+                pthread_mutex_unlock(&self.lock)
         pthread_mutex_lock(&self.lock)
         room = self.max_reserved - self.num_pool
         if self.limit_pages >= 0:
@@ -446,7 +461,7 @@ cdef class PageAllocator:
             self.num_pool += 1
             self.pool_weight += self.weight[p]
         if n > k:
-            tail = self.pend_head + self.num_pending
+            tail = self.pend_head + self.num_pending - self.num_retry     # retries are not in the ring
             for i in range(k, n):
                 p = ids[i]
                 self.state[p] = _PS_PENDING
@@ -678,6 +693,7 @@ cdef class PageAllocator:
                 else:
                     unmapped = self._settle_failed_map(k, self.scratch)
                     self.num_transit -= k
+                    self.num_refill_failures += 1
                     self.bg_backoff = True
                 pthread_mutex_unlock(&self.lock)
                 if gated and (not finished or rc != 0) and unmapped:
@@ -773,6 +789,9 @@ cdef class PageAllocator:
             pthread_mutex_unlock(&self.map_lock)
         if not idle:
             self._refill()
+        pthread_mutex_lock(&self.lock)
+        self.num_bg_rounds += 1
+        pthread_mutex_unlock(&self.lock)
         return 0
 
     def _run(self):
@@ -1104,7 +1123,7 @@ cdef class PageAllocator:
     def stats(self) -> dict:
         """A consistent snapshot of the counts and counters (taken under one lock)."""
         cdef int v[10]
-        cdef uint64_t c[13]
+        cdef uint64_t c[15]
         cdef size_t phys
         self._check_not_forked()
         with nogil:
@@ -1116,6 +1135,7 @@ cdef class PageAllocator:
             c[8] = self.activity; c[9] = <uint64_t>self.pool_weight
             c[10] = self.num_pool_waits; c[11] = self.pages_taken; v[8] = self.refill_target
             v[9] = self.num_retry; c[12] = self.num_unmap_failures
+            c[13] = self.num_refill_failures; c[14] = self.num_bg_rounds
             phys = self.phys_snapshot
             pthread_mutex_unlock(&self.lock)
         return {
@@ -1127,6 +1147,7 @@ cdef class PageAllocator:
             "num_oom": c[4], "num_fences": c[5], "num_idle_trims": c[6], "num_refills": c[7],
             "num_take_return": c[8], "num_pool_waits": c[10], "pages_taken": c[11],
             "refill_target": v[8], "unmap_retries": v[9], "num_unmap_failures": c[12],
+            "num_refill_failures": c[13], "num_bg_rounds": c[14],
         }
 
     def page_states(self):

@@ -7,6 +7,7 @@ and benchmarks/) cannot both be imported as ``conftest``."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from kvcached._core import BlockAllocator, HostBackend, PageAllocator, PageTable
 
@@ -28,23 +29,46 @@ class Stack:
         self.pages.stop()
 
 
-def make_table(backend: HostBackend, num_pages: int, segments: int = 1) -> tuple[PageTable, list]:
+def make_table(backend: HostBackend, num_pages: int, segments: int = 1,
+               zero_page: bool = False) -> tuple[PageTable, list]:
     """A page table whose page id p maps `segments` granules, one in each of `segments` ranges
     (segments=1: one compound mapping as interleaved/page_grouped; 2*L: per_layer)."""
     g = backend.granularity
     ranges = [backend.reserve(num_pages * g) for _ in range(segments)]
-    return PageTable(backend, [(r, 0) for r in ranges], g, num_pages), ranges
+    return PageTable(backend, [(r, 0) for r in ranges], g, num_pages, zero_page), ranges
+
+
+class ByteBudget:
+    """A budget gate (PageAllocator.set_budget_gate) over `capacity_bytes`, counting what it
+    holds, so tests can check that every mapped byte is held and every unmapped one given back."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.held_bytes = 0
+        self.lock = threading.Lock()
+
+    def acquire(self, nbytes: int) -> bool:
+        with self.lock:
+            if self.held_bytes + nbytes > self.capacity_bytes:
+                return False
+            self.held_bytes += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self.lock:
+            assert nbytes <= self.held_bytes, f"released {nbytes} bytes, only {self.held_bytes} held"
+            self.held_bytes -= nbytes
 
 
 def make_stack(num_pages: int = 16, capacity_granules: int | None = 12, segments: int = 1,
                block_bytes: int | None = 16 << 10, min_reserved: int = 0, max_reserved: int = 2,
                idle_trim_s: float = 0.0, capacity_pages: int | None = None,
-               sparse: tuple[int, int] | None = None) -> Stack:
+               sparse: tuple[int, int] | None = None, zero_page: bool = False) -> Stack:
     """Backend with room for `capacity_granules` granules (None: unbounded), a table of
-    `num_pages` ids, a page allocator and (unless block_bytes is None and sparse is None) a
-    dense or sparse block allocator."""
+    `num_pages` ids (zero_page: unmapped ids show the zero page), a page allocator and (unless
+    block_bytes is None and sparse is None) a dense or sparse block allocator."""
     backend = HostBackend(GRANULARITY, None if capacity_granules is None else capacity_granules * GRANULARITY)
-    table, ranges = make_table(backend, num_pages, segments)
+    table, ranges = make_table(backend, num_pages, segments, zero_page)
     pages = PageAllocator(table, capacity_pages, min_reserved=min_reserved, max_reserved=max_reserved,
                           idle_trim_s=idle_trim_s)
     blocks = None
