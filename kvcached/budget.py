@@ -8,42 +8,50 @@ Why a file under /dev/shm with flock, and not a lock-free counter: Python has no
 compare-and-swap on shared memory, and the budget is consulted once per *batch* of page maps (a
 page map costs ~30 µs on the GPU), so two flock calls (~2 µs) per acquisition are cheap enough.
 Why per-holder slots and not one counter: a holder killed by SIGKILL cannot give its share back;
-its slot names it (pid, start time, pid namespace), so the next acquirer that finds the budget
-short, or ``kvctl gc``, sees the process is gone and takes the slot's bytes back.
+its slot names it (pid, start time, pid namespace, heartbeat), so the next acquirer that finds the
+budget short, or ``kvctl gc``, sees the process is gone and takes the slot's bytes back.
 
 Protocol (every process follows it; readers included):
 
 * Every read-modify-write of the segment happens under ``flock(fd, LOCK_EX)`` of the budget file;
-  consistent reads (``read_budget``) take ``LOCK_SH``. Within a process, a handle's
-  ``threading.Lock`` is taken first (flock does not exclude threads sharing a file description).
-* ``held_bytes`` always equals the sum of the slots' ``held_bytes`` and, at every unlock, an
-  acquisition has left it <= ``budget_bytes``. Lowering ``budget_bytes`` below ``held_bytes``
-  takes nothing back: acquisitions fail until holders release enough.
+  consistent reads (``read_budget``) take ``LOCK_SH`` just to copy it. Within a process, a
+  handle's ``threading.Lock`` is taken first (flock does not exclude threads sharing a file
+  description). Nobody reads ``/proc`` while holding the flock (Note [No /proc under the flock]).
+* ``held_bytes`` is derived from the slots: a holder writes its slot first and the total second,
+  and whoever reclaims a slot (and every ``Budget.open``) recounts the total from the slots, so a
+  holder killed between the two writes leaks nothing (Note [The total is the sum of the slots]).
+  At every unlock by a live holder, an acquisition has left it <= ``budget_bytes``. Lowering
+  ``budget_bytes`` below ``held_bytes`` takes nothing back: acquisitions fail until holders
+  release enough.
 * A slot is free when its pid is 0. A handle claims one at ``Budget.open`` and frees it at
-  ``close`` (releasing what it holds). A slot whose process is dead (see Note [Telling a dead
-  owner] in mem_info_tracker) is reclaimed: its bytes are subtracted from ``held_bytes`` and added
-  to ``recovered_bytes``. Slots of processes in another pid namespace are never reclaimed.
+  ``close`` (releasing what it holds). A background thread per process refreshes the heartbeat of
+  each of its slots every ``stale_after_s / 8``. A slot is dead when its process is (see Note
+  [Telling a dead owner] in mem_info_tracker) or, for a process of another pid namespace (another
+  container), whose life cannot be checked, when its heartbeat is older than the budget's
+  ``stale_after_s`` (Note [Slot heartbeats]). A dead slot is reclaimed: its bytes are taken back
+  and added to ``recovered_bytes``. A live process of this namespace is never reclaimed, however
+  old its heartbeat.
 * The file persists while no one holds it (the operator's setting); ``kvctl budget NAME
   --delete`` removes it.
 
-Segment layout, version 1 (native byte order)
+Segment layout, version 2 (native byte order)
 
 ====== ======= ================= ============================================================
 offset type    field             meaning
 ====== ======= ================= ============================================================
 0      char[4] magic             ``b"KVCB"``
-4      u32     version           layout version, 1
+4      u32     version           layout version, 2
 8      i64     segment_bytes     size of the segment
 16     i64     budget_bytes      most bytes all holders together may hold
 24     i64     held_bytes        sum of the slots' held_bytes
 32     i64     num_slots         number of slots, 256
 40     i64     created_ns        CLOCK_REALTIME ns at creation
 48     i64     recovered_bytes   bytes taken back from dead holders, cumulative
-56     i64     (reserved)        zero
+56     i64     stale_after_ns    a holder of another pid namespace whose heartbeat is older is dead
 64     char[]  name              budget name, UTF-8, NUL-padded to 256 bytes
 320    slot[]  slots             num_slots slots of 48 bytes:
                                  +0 pid (0: free), +8 start_time, +16 pid_ns, +24 held_bytes,
-                                 +32 token (random, identifies the handle), +40 updated_ns
+                                 +32 token (random, identifies the handle), +40 heartbeat_ns
 ====== ======= ================= ============================================================
 """
 
@@ -51,25 +59,29 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import math
 import mmap
 import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from .errors import KVCachedConfigError, KVCachedError
+from .checks import as_int
+from .errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
 from .mem_info_tracker import (
+    I64_MAX,
     SHM_DIR,
     create_exclusive,
-    owner_alive,
     own_identity,
+    owner_alive,
     validate_name,
 )
 
 BUDGET_PREFIX = "kvcached-budget."
 MAGIC = b"KVCB"
-VERSION = 1
+VERSION = 2
 NUM_SLOTS = 256
 SLOTS_OFFSET = 320
 SLOT_BYTES = 48
@@ -77,17 +89,24 @@ SEGMENT_BYTES = SLOTS_OFFSET + NUM_SLOTS * SLOT_BYTES
 # A failed acquisition scans the holders for dead ones at most this often per handle (each scan
 # reads /proc once per holder).
 RECLAIM_EVERY_S = 0.05
+# Default bound on a heartbeat's age beyond which a holder of another pid namespace is dead;
+# holders beat eight times within it. See Note [Slot heartbeats].
+STALE_AFTER_S = 10.0
+MIN_STALE_AFTER_S = 0.5
 
-_HEADER = struct.Struct("=4sI6q8x256s")
+_HEADER = struct.Struct("=4sI7q256s")
 _SLOT = struct.Struct("=6q")
-_W_BUDGET, _W_HELD, _W_NUM_SLOTS, _W_RECOVERED = 2, 3, 4, 6
-_SLOT_PID, _SLOT_START, _SLOT_NS, _SLOT_HELD, _SLOT_TOKEN, _SLOT_UPDATED = range(6)
+_W_BUDGET, _W_HELD, _W_NUM_SLOTS, _W_RECOVERED, _W_STALE = 2, 3, 4, 6, 7
+_SLOT_PID, _SLOT_START, _SLOT_NS, _SLOT_HELD, _SLOT_TOKEN, _SLOT_HEARTBEAT = range(6)
 
 assert _HEADER.size == SLOTS_OFFSET and _SLOT.size == SLOT_BYTES
 
 # This process's pid, kept current across fork without a getpid() call per acquisition.
 _pid_now = [os.getpid()]
-os.register_at_fork(after_in_child=lambda: _pid_now.__setitem__(0, os.getpid()))
+
+# Test hook: called by Budget._add between the slot's write and the total's (tests SIGKILL the
+# process there to check that nothing leaks). See Note [The total is the sum of the slots].
+_between_slot_and_total: Callable[[], None] | None = None
 
 
 def budget_path(name: str) -> str:
@@ -100,13 +119,32 @@ def _slot_word(slot: int, field: int) -> int:
 
 
 def _check_size(field: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise KVCachedConfigError(f"{field}={value!r} is invalid: give an int >= 0 (bytes)")
-    return value
+    return as_int(value, field, minimum=0, maximum=I64_MAX, hint="bytes")
+
+
+def _check_stale_after(stale_after_s: float) -> int:
+    """``stale_after_s`` in ns, or KVCachedConfigError."""
+    if (isinstance(stale_after_s, bool) or not isinstance(stale_after_s, (int, float))
+            or not math.isfinite(stale_after_s)
+            or not MIN_STALE_AFTER_S <= stale_after_s <= 86400):
+        raise KVCachedConfigError(
+            f"stale_after_s={stale_after_s!r} is invalid: give seconds in [{MIN_STALE_AFTER_S}, "
+            f"86400] (default {STALE_AFTER_S}); holders beat eight times within it")
+    return int(stale_after_s * 1e9)
+
+
+def _slot_dead(pid: int, start: int, pid_ns: int, heartbeat_ns: int, stale_after_ns: int,
+               now_ns: int) -> bool:
+    """Whether a slot's holder is dead: by /proc in this pid namespace, by its heartbeat in
+    another. Reads /proc: never call it under the flock."""
+    alive = owner_alive(pid, start, pid_ns)
+    if alive is None:
+        return now_ns - heartbeat_ns > stale_after_ns
+    return not alive
 
 
 class _Segment:
-    """An open budget file: fd, mapping, int64 view. Callers hold its flock to touch it."""
+    """An open budget file: fd, mapping, int64 view. Callers hold its flock to change it."""
 
     def __init__(self, name: str, path: str) -> None:
         self.name, self.path = name, path
@@ -136,18 +174,56 @@ class _Segment:
     def unlock(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
-    def reclaim_dead(self) -> int:
-        """Free the slots of dead processes; the bytes taken back. Assumes LOCK_EX."""
-        words, recovered = self.words, 0
+    def stale_after_ns(self) -> int:
+        value = self.words[_W_STALE]
+        return value if value > 0 else int(STALE_AFTER_S * 1e9)
+
+    def identity(self, slot: int) -> tuple[int, int, int, int]:
+        """(token, pid, start_time, pid_ns) of a slot: who holds it."""
+        base, words = _slot_word(slot, 0), self.words
+        return (words[base + _SLOT_TOKEN], words[base + _SLOT_PID], words[base + _SLOT_START],
+                words[base + _SLOT_NS])
+
+    def find_dead(self) -> list[tuple[int, tuple[int, int, int, int], bool]]:
+        """(slot, identity, judged by heartbeat) of every holder found dead. Reads /proc, so it
+        runs without the flock, on plain reads of the slots; ``reclaim`` checks each again under
+        the lock. O(slots). See Note [No /proc under the flock]."""
+        words, now, stale = self.words, time.time_ns(), self.stale_after_ns()
+        dead = []
         for slot in range(NUM_SLOTS):
-            pid = words[_slot_word(slot, _SLOT_PID)]
-            if pid and owner_alive(pid, words[_slot_word(slot, _SLOT_START)],
-                                   words[_slot_word(slot, _SLOT_NS)]) is False:
-                recovered += words[_slot_word(slot, _SLOT_HELD)]
-                self.clear_slot(slot)
-        words[_W_HELD] -= recovered
+            ident = self.identity(slot)
+            _, pid, start, pid_ns = ident
+            if not pid:
+                continue
+            alive = owner_alive(pid, start, pid_ns)
+            if alive is None:  # another pid namespace: judged by the heartbeat
+                if now - words[_slot_word(slot, _SLOT_HEARTBEAT)] > stale:
+                    dead.append((slot, ident, True))
+            elif not alive:
+                dead.append((slot, ident, False))
+        return dead
+
+    def reclaim(self, dead: list[tuple[int, tuple[int, int, int, int], bool]]) -> int:
+        """Free the slots ``find_dead`` found that still hold the same handle (and, judged by
+        heartbeat, still have not beaten); recount the total. Assumes LOCK_EX. The bytes taken
+        back."""
+        words, now, stale, recovered = self.words, time.time_ns(), self.stale_after_ns(), 0
+        for slot, ident, by_heartbeat in dead:
+            if self.identity(slot) != ident:
+                continue  # freed or claimed anew since the scan
+            if by_heartbeat and now - words[_slot_word(slot, _SLOT_HEARTBEAT)] <= stale:
+                continue  # it beat since the scan
+            recovered += words[_slot_word(slot, _SLOT_HELD)]
+            self.clear_slot(slot)
         words[_W_RECOVERED] += recovered
+        self.recount()
         return recovered
+
+    def recount(self) -> None:
+        """Set the total to the sum of the slots. Assumes LOCK_EX. O(slots). See
+        Note [The total is the sum of the slots]."""
+        words = self.words
+        words[_W_HELD] = sum(words[_slot_word(slot, _SLOT_HELD)] for slot in range(NUM_SLOTS))
 
     def clear_slot(self, slot: int) -> None:
         base = _slot_word(slot, 0)
@@ -155,18 +231,13 @@ class _Segment:
             self.words[base + field] = 0
 
     def snapshot(self) -> BudgetSnapshot:
-        """Assumes LOCK_SH or LOCK_EX."""
-        raw = self.mm[:SEGMENT_BYTES]
-        _, _, _, budget, held, _, created, recovered, _ = _HEADER.unpack_from(raw)
-        holders = []
-        for slot in range(NUM_SLOTS):
-            pid, start, pid_ns, slot_held, _, updated = _SLOT.unpack_from(
-                raw, SLOTS_OFFSET + slot * SLOT_BYTES)
-            if pid:
-                alive = owner_alive(pid, start, pid_ns)
-                holders.append(Holder(slot, pid, slot_held, alive is not False, updated))
-        return BudgetSnapshot(self.name, self.path, budget, held, recovered, created,
-                              tuple(holders))
+        """The budget, copied under LOCK_SH and judged (/proc) after the unlock."""
+        self.lock(exclusive=False)
+        try:
+            raw = self.mm[:SEGMENT_BYTES]
+        finally:
+            self.unlock()
+        return _parse(self.name, self.path, raw)
 
     def close(self) -> None:
         self.words.release()
@@ -174,20 +245,35 @@ class _Segment:
         os.close(self.fd)
 
 
+def _parse(name: str, path: str, raw: bytes) -> BudgetSnapshot:
+    _, _, _, budget, held, _, created, recovered, stale_ns, _ = _HEADER.unpack_from(raw)
+    stale_ns = stale_ns if stale_ns > 0 else int(STALE_AFTER_S * 1e9)
+    now, holders = time.time_ns(), []
+    for slot in range(NUM_SLOTS):
+        pid, start, pid_ns, slot_held, _, heartbeat = _SLOT.unpack_from(
+            raw, SLOTS_OFFSET + slot * SLOT_BYTES)
+        if pid:
+            dead = _slot_dead(pid, start, pid_ns, heartbeat, stale_ns, now)
+            holders.append(Holder(slot, pid, slot_held, not dead, heartbeat))
+    return BudgetSnapshot(name, path, budget, held, recovered, created, stale_ns / 1e9,
+                          tuple(holders))
+
+
 @dataclass(frozen=True, slots=True)
 class Holder:
-    """One claimed slot. ``alive`` is False only when the process is known to be dead."""
+    """One claimed slot. ``alive`` is False only when the holder is known to be dead (Note [Slot
+    heartbeats])."""
 
     slot: int
     pid: int
     held_bytes: int
     alive: bool
-    updated_ns: int
+    heartbeat_ns: int
 
 
 @dataclass(frozen=True, slots=True)
 class BudgetSnapshot:
-    """A budget as read under its shared lock (bytes; ns)."""
+    """A budget as copied under its shared lock (bytes; ns; s)."""
 
     name: str
     path: str
@@ -195,65 +281,70 @@ class BudgetSnapshot:
     held_bytes: int
     recovered_bytes: int
     created_ns: int
+    stale_after_s: float
     holders: tuple[Holder, ...]
 
     def to_dict(self) -> dict:
         return {
             "name": self.name, "path": self.path, "budget_bytes": self.budget_bytes,
             "held_bytes": self.held_bytes, "recovered_bytes": self.recovered_bytes,
-            "created_ns": self.created_ns,
+            "created_ns": self.created_ns, "stale_after_s": self.stale_after_s,
             "holders": [{"slot": h.slot, "pid": h.pid, "held_bytes": h.held_bytes,
-                         "alive": h.alive, "updated_ns": h.updated_ns} for h in self.holders],
+                         "alive": h.alive, "heartbeat_ns": h.heartbeat_ns}
+                        for h in self.holders],
         }
 
 
-def _create(name: str, budget_bytes: int) -> None:
+def _create(name: str, budget_bytes: int, stale_after_ns: int) -> None:
     """Create budget ``name`` unless it exists (then nothing changes)."""
     content = _HEADER.pack(MAGIC, VERSION, SEGMENT_BYTES, budget_bytes, 0, NUM_SLOTS,
-                           time.time_ns(), 0, name.encode()) + bytes(NUM_SLOTS * SLOT_BYTES)
+                           time.time_ns(), 0, stale_after_ns, name.encode()) + bytes(
+                               NUM_SLOTS * SLOT_BYTES)
     fd = create_exclusive(budget_path(name), content)
     if fd is not None:
         os.close(fd)
 
 
-def set_budget(name: str, budget_bytes: int) -> BudgetSnapshot:
+def set_budget(name: str, budget_bytes: int, stale_after_s: float | None = None) -> BudgetSnapshot:
     """Create budget ``name`` of ``budget_bytes``, or change the size of the existing one.
 
-    Lowering it below what is held takes nothing back; acquisitions fail until enough is
-    released. Returns the budget after the change.
+    ``stale_after_s`` (default STALE_AFTER_S when creating; unchanged otherwise): how old a
+    heartbeat makes a holder of another pid namespace dead (Note [Slot heartbeats]). Lowering the
+    budget below what is held takes nothing back; acquisitions fail until enough is released.
+    Returns the budget after the change.
 
     Raises:
-        KVCachedConfigError: invalid name or negative size. Nothing changed.
+        KVCachedConfigError: invalid name, a size outside [0, I64_MAX] or not an int, or
+            ``stale_after_s`` outside [MIN_STALE_AFTER_S, 86400]. Nothing changed.
     """
-    _check_size("budget_bytes", budget_bytes)
+    budget_bytes = _check_size("budget_bytes", budget_bytes)
+    stale_ns = None if stale_after_s is None else _check_stale_after(stale_after_s)
     path = budget_path(name)
     if not os.path.exists(path):
-        _create(name, budget_bytes)
+        _create(name, budget_bytes, stale_ns or int(STALE_AFTER_S * 1e9))
     seg = _Segment(name, path)
     try:
         seg.lock()
         try:
             seg.words[_W_BUDGET] = budget_bytes
-            return seg.snapshot()
+            if stale_ns is not None:
+                seg.words[_W_STALE] = stale_ns
         finally:
             seg.unlock()
+        return seg.snapshot()
     finally:
         seg.close()
 
 
 def read_budget(name: str) -> BudgetSnapshot:
-    """Budget ``name`` as read under its shared lock. O(slots).
+    """Budget ``name`` as copied under its shared lock. O(slots).
 
     Raises:
         KVCachedError: no such budget, or the file is not a budget of this layout version.
     """
     seg = _Segment(validate_name(name), budget_path(name))
     try:
-        seg.lock(exclusive=False)
-        try:
-            return seg.snapshot()
-        finally:
-            seg.unlock()
+        return seg.snapshot()
     finally:
         seg.close()
 
@@ -281,9 +372,10 @@ def gc_budgets() -> dict[str, int]:
             continue
         seg = _Segment(snap.name, snap.path)
         try:
+            dead = seg.find_dead()  # /proc, outside the flock
             seg.lock()
             try:
-                recovered[snap.name] = seg.reclaim_dead()
+                recovered[snap.name] = seg.reclaim(dead)
             finally:
                 seg.unlock()
         finally:
@@ -310,11 +402,77 @@ def delete_budget(name: str, force: bool = False) -> None:
         pass
 
 
+class _Heartbeat:
+    """One thread per process refreshes the heartbeat word of every open handle's slot.
+
+    Lock contract: ``self._lock`` guards the set of handles and is held through each round of
+    beats, so once ``remove`` returns the thread never touches that handle again. The thread
+    runs while at least one handle is open; the last ``remove`` joins it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handles: set[Budget] = set()
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
+
+    def add(self, handle: Budget) -> None:
+        with self._lock:
+            self._handles.add(handle)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="kvcached-budget-heartbeat")
+                self._thread.start()
+        self._wake.set()  # a shorter interval may apply now
+
+    def remove(self, handle: Budget) -> None:
+        with self._lock:
+            self._handles.discard(handle)
+            thread = None
+            if not self._handles:
+                thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            self._wake.set()
+            thread.join()
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._lock:
+                if self._thread is not me:
+                    return
+                now = time.time_ns()
+                for handle in self._handles:
+                    handle._beat(now)
+                interval_s = min(h._beat_every_s for h in self._handles)
+            self._wake.wait(interval_s)
+            self._wake.clear()
+
+    def after_fork_in_child(self) -> None:
+        """The child has no heartbeat thread, and its inherited handles are not its own."""
+        self._lock = threading.Lock()
+        self._handles = set()
+        self._thread = None
+        self._wake = threading.Event()
+
+
+_heartbeat = _Heartbeat()
+
+
+def _after_fork_in_child() -> None:
+    _pid_now[0] = os.getpid()
+    _heartbeat.after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Budget:
     """This process's handle on a shared budget: acquire and release bytes against it.
 
     Lock contract: public methods take ``self._lock`` (threads of this process) and then the
-    segment's flock (other processes); private ones assume both.
+    segment's flock (other processes); private ones assume both, except ``_beat`` (the heartbeat
+    thread's one store) and ``free_bytes`` (two loads), which take neither.
 
     Use ``Budget.open``; acquire in batches (several pages per call) on the allocator's path.
     A handle belongs to the process that opened it: a forked child must open its own (it would
@@ -331,44 +489,37 @@ class Budget:
         self._next_reclaim = 0.0
         self._closed = False
         self._pid = _pid_now[0]
+        self._beat_every_s = segment.stale_after_ns() / 8e9
         atexit.register(self.close)
+        _heartbeat.add(self)
 
     @classmethod
-    def open(cls, name: str, budget_bytes: int | None = None) -> Budget:
-        """Open budget ``name`` (creating it with ``budget_bytes`` if it does not exist; an
-        existing budget keeps its size, which operators set) and claim a slot in it.
+    def open(cls, name: str, budget_bytes: int | None = None, *,
+             stale_after_s: float | None = None) -> Budget:
+        """Open budget ``name`` (creating it with ``budget_bytes`` and ``stale_after_s`` if it
+        does not exist; an existing budget keeps both, which operators set) and claim a slot.
 
         Raises:
-            KVCachedConfigError: invalid name or size; or the budget does not exist and
-                ``budget_bytes`` is None (the message says how to create it).
+            KVCachedConfigError: invalid name, size or ``stale_after_s``; or the budget does not
+                exist and ``budget_bytes`` is None (the message says how to create it).
             KVCachedError: all NUM_SLOTS slots are held by live processes.
         """
         path = budget_path(name)
+        stale_ns = (int(STALE_AFTER_S * 1e9) if stale_after_s is None
+                    else _check_stale_after(stale_after_s))
         if budget_bytes is not None:
-            _check_size("budget_bytes", budget_bytes)
+            budget_bytes = _check_size("budget_bytes", budget_bytes)
             if not os.path.exists(path):
-                _create(name, budget_bytes)
+                _create(name, budget_bytes, stale_ns)
         elif not os.path.exists(path):
             raise KVCachedConfigError(
                 f"no budget named {name!r}: create it (`kvctl budget {name} 40G`) or pass "
                 "budget_bytes to create it on first use")
         seg = _Segment(name, path)
-        pid, start, pid_ns = own_identity()
         token = int.from_bytes(os.urandom(7), "little") + 1
-        seg.lock()
-        try:
-            slot = cls._free_slot(seg)
-            if slot is None:
-                seg.reclaim_dead()
-                slot = cls._free_slot(seg)
-            if slot is not None:
-                base = _slot_word(slot, 0)
-                for field, value in ((_SLOT_PID, pid), (_SLOT_START, start), (_SLOT_NS, pid_ns),
-                                     (_SLOT_HELD, 0), (_SLOT_TOKEN, token),
-                                     (_SLOT_UPDATED, time.time_ns())):
-                    seg.words[base + field] = value
-        finally:
-            seg.unlock()
+        slot = cls._claim(seg, token)
+        if slot is None:
+            slot = cls._claim(seg, token, dead=seg.find_dead())  # /proc outside the flock
         if slot is None:
             seg.close()
             raise KVCachedError(
@@ -377,61 +528,106 @@ class Budget:
         return cls(seg, slot, token)
 
     @staticmethod
-    def _free_slot(seg: _Segment) -> int | None:
-        for slot in range(NUM_SLOTS):
-            if seg.words[_slot_word(slot, _SLOT_PID)] == 0:
-                return slot
-        return None
+    def _claim(seg: _Segment, token: int, dead: list | None = None) -> int | None:
+        """Under LOCK_EX: reclaim ``dead``, recount the total, claim a free slot (or None)."""
+        pid, start, pid_ns = own_identity()
+        seg.lock()
+        try:
+            if dead:
+                seg.reclaim(dead)
+            seg.recount()  # heals a total left by a holder killed mid-update
+            words = seg.words
+            for slot in range(NUM_SLOTS):
+                base = _slot_word(slot, 0)
+                if words[base + _SLOT_PID] == 0:
+                    # pid last: a lock-free reader that sees it sees the rest
+                    for field, value in ((_SLOT_START, start), (_SLOT_NS, pid_ns),
+                                         (_SLOT_HELD, 0), (_SLOT_TOKEN, token),
+                                         (_SLOT_HEARTBEAT, time.time_ns()), (_SLOT_PID, pid)):
+                        words[base + field] = value
+                    return slot
+            return None
+        finally:
+            seg.unlock()
 
     @property
     def held_bytes(self) -> int:
         """Bytes this handle holds."""
         return self._held
 
+    def free_bytes(self) -> int:
+        """Bytes the budget has left now (``budget_bytes - held_bytes``, 0 when over it), for
+        every holder together.
+
+        A lock-free read of two words of the shared segment: no flock, no system call (~0.2 µs),
+        so a scheduler can consult it on every ``available_size()``. It is a snapshot: another
+        holder may take or give back bytes right after; a holder killed between its two writes
+        may make it low until the next reclaim (Note [The total is the sum of the slots]).
+
+        Raises:
+            KVCachedClosedError: the handle is closed.
+        """
+        try:
+            words = self._seg.words
+            free = words[_W_BUDGET] - words[_W_HELD]
+        except ValueError:  # the view was released by close()
+            free = None
+        if free is None or self._closed:
+            raise KVCachedClosedError(f"budget handle {self.name!r} is closed; open a new one")
+        return max(0, free)
+
     def try_acquire(self, nbytes: int) -> bool:
         """Take ``nbytes`` from the budget if that keeps the total within it; True if taken.
 
         Never raises for "not enough": returns False and changes nothing. When short, first
-        reclaims the shares of dead holders (at most every RECLAIM_EVERY_S per handle).
-        Cost: two flock calls (~2 µs) plus a /proc read per holder when it scans.
+        reclaims the shares of dead holders (at most every RECLAIM_EVERY_S per handle), reading
+        /proc with no flock held. Cost: two flock calls (~2 µs); a scan adds a /proc read per
+        holder and two more flock calls.
 
         Raises:
-            ValueError: ``nbytes`` negative or not an int.
+            ValueError: ``nbytes`` outside [0, I64_MAX] or not an int.
             KVCachedError: the handle is closed, or its slot was taken away (budget deleted and
                 recreated, or forcibly reset).
         """
-        self._check_amount(nbytes)
+        nbytes = self._check_amount(nbytes)
         if nbytes == 0:
             return True
         with self._lock:
             self._check_open()
-            seg = self._seg
-            seg.lock()
-            try:
-                words = seg.words
-                self._check_slot()
-                if words[_W_HELD] + nbytes > words[_W_BUDGET]:
-                    now = time.monotonic()
-                    if now < self._next_reclaim:
-                        return False
-                    self._next_reclaim = now + RECLAIM_EVERY_S
-                    seg.reclaim_dead()
-                    if words[_W_HELD] + nbytes > words[_W_BUDGET]:
-                        return False
-                self._add(nbytes)
+            if self._take(nbytes):
                 return True
-            finally:
-                seg.unlock()
+            now = time.monotonic()
+            if now < self._next_reclaim:
+                return False
+            self._next_reclaim = now + RECLAIM_EVERY_S
+            dead = self._seg.find_dead()  # /proc, outside the flock
+            return bool(dead) and self._take(nbytes, dead)
+
+    def _take(self, nbytes: int, dead: list | None = None) -> bool:
+        """Assumes ``self._lock``; takes the flock. Reclaims ``dead`` first."""
+        seg = self._seg
+        seg.lock()
+        try:
+            self._check_slot()
+            if dead:
+                seg.reclaim(dead)
+            words = seg.words
+            if words[_W_HELD] + nbytes > words[_W_BUDGET]:
+                return False
+            self._add(nbytes)
+            return True
+        finally:
+            seg.unlock()
 
     def release(self, nbytes: int) -> None:
         """Give ``nbytes`` back to the budget.
 
         Raises:
-            ValueError: ``nbytes`` negative, not an int, or more than this handle holds
-                (nothing released).
+            ValueError: ``nbytes`` outside [0, I64_MAX], not an int, or more than this handle
+                holds (nothing released).
             KVCachedError: the handle is closed or lost its slot.
         """
-        self._check_amount(nbytes)
+        nbytes = self._check_amount(nbytes)
         if nbytes > self._held:
             raise ValueError(f"release({nbytes}) exceeds the {self._held} bytes this handle of "
                              f"budget {self.name!r} holds; nothing was released")
@@ -447,21 +643,31 @@ class Budget:
                 self._seg.unlock()
 
     def _add(self, nbytes: int) -> None:
-        """Assumes both locks."""
+        """Assumes both locks. The slot first, the total second: See Note [The total is the sum
+        of the slots]."""
         words = self._seg.words
+        base = _slot_word(self._slot, 0)
+        words[base + _SLOT_HELD] += nbytes
+        if _between_slot_and_total is not None:
+            _between_slot_and_total()
         words[_W_HELD] += nbytes
-        words[_slot_word(self._slot, _SLOT_HELD)] += nbytes
-        words[_slot_word(self._slot, _SLOT_UPDATED)] = time.time_ns()
+        words[base + _SLOT_HEARTBEAT] = time.time_ns()
         self._held += nbytes
 
+    def _beat(self, now_ns: int) -> None:
+        """The heartbeat thread's store into this handle's slot (while it is still ours)."""
+        words = self._seg.words
+        base = _slot_word(self._slot, 0)
+        if words[base + _SLOT_TOKEN] == self._token:
+            words[base + _SLOT_HEARTBEAT] = now_ns
+
     @staticmethod
-    def _check_amount(nbytes: int) -> None:
-        if not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"nbytes={nbytes!r} is invalid: give an int >= 0")
+    def _check_amount(nbytes: object) -> int:
+        return as_int(nbytes, "nbytes", minimum=0, maximum=I64_MAX, error=ValueError)
 
     def _check_open(self) -> None:
         if self._closed:
-            raise KVCachedError(f"budget handle {self.name!r} is closed; open a new one")
+            raise KVCachedClosedError(f"budget handle {self.name!r} is closed; open a new one")
         if _pid_now[0] != self._pid:
             raise KVCachedError(
                 f"budget handle {self.name!r} was opened in pid {self._pid} and used in its "
@@ -472,17 +678,14 @@ class Budget:
         if self._seg.words[_slot_word(self._slot, _SLOT_TOKEN)] != self._token:
             raise KVCachedError(
                 f"budget {self.name!r}: this handle's slot {self._slot} was taken away (the "
-                "budget was deleted or reset while in use); open the budget again")
+                "budget was deleted or reset while in use, or this process's heartbeat stopped "
+                "for longer than the budget's stale_after_s); open the budget again")
 
     def snapshot(self) -> BudgetSnapshot:
-        """The budget as read under its shared lock."""
+        """The budget as copied under its shared lock."""
         with self._lock:
             self._check_open()
-            self._seg.lock(exclusive=False)
-            try:
-                return self._seg.snapshot()
-            finally:
-                self._seg.unlock()
+            return self._seg.snapshot()
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the budget breaks the protocol's invariants. O(slots)."""
@@ -501,10 +704,13 @@ class Budget:
             raise AssertionError(f"budget {self.name!r}: " + "; ".join(problems))
 
     def close(self) -> None:
-        """Release everything this handle holds and free its slot. Idempotent.
+        """Release everything this handle holds and free its slot; the last handle of the
+        process also stops (and joins) the heartbeat thread. Idempotent.
 
         A forked child that inherited the handle leaves its parent's slot alone.
         """
+        if _pid_now[0] == self._pid:
+            _heartbeat.remove(self)  # after this the heartbeat thread never touches the handle
         with self._lock:
             if self._closed:
                 return
@@ -514,8 +720,10 @@ class Budget:
             if _pid_now[0] == self._pid:
                 seg.lock()
                 try:
-                    if seg.words[_slot_word(self._slot, _SLOT_TOKEN)] == self._token:
-                        seg.words[_W_HELD] -= seg.words[_slot_word(self._slot, _SLOT_HELD)]
+                    base = _slot_word(self._slot, 0)
+                    if seg.words[base + _SLOT_TOKEN] == self._token:
+                        # The total first: a kill between the two leaves a slot to reclaim.
+                        seg.words[_W_HELD] -= seg.words[base + _SLOT_HELD]
                         seg.clear_slot(self._slot)
                 finally:
                     seg.unlock()
@@ -531,3 +739,44 @@ class Budget:
     def __repr__(self) -> str:
         return (f"Budget(name={self.name!r}, slot={self._slot}, held_bytes={self._held}, "
                 f"closed={self._closed})")
+
+
+# Note [The total is the sum of the slots]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# held_bytes is a cache of the sum of the slots' held_bytes: acquisitions compare against one word
+# instead of adding 256. A holder changes its slot and then the total, both under LOCK_EX, so no
+# live process ever sees them disagree; only a holder killed between the two writes leaves them
+# apart, and a killed holder always leaves its slot behind (close() lowers the total before it
+# frees the slot, for the same reason). That slot is dead, and whoever reclaims a dead slot
+# recounts the total from the slots (so does every Budget.open, under the lock it already takes):
+# the difference lasts until the next reclaim, and is never lost. Before the recount the total
+# can only err towards the dead holder's share, whose memory the kernel gave back when it died:
+# the live holders' sum stays within the budget. free_bytes() reads budget and total without the
+# lock: two aligned 8-byte loads, each a value some holder wrote; the pair may straddle one
+# acquisition, which a scheduler's admission check tolerates anyway (the allocation itself is
+# checked under the lock).
+#
+# Note [Slot heartbeats]
+# ~~~~~~~~~~~~~~~~~~~~~~
+# In this pid namespace a slot's pid and start time tell exactly whether its holder lives (Note
+# [Telling a dead owner]): a live holder is never reclaimed, even a stopped or hung one, whose
+# memory is still mapped. A holder in another pid namespace (another container sharing /dev/shm)
+# cannot be checked that way: its pid means another process here. So every process beats: one
+# thread stores the time into each of its slots every stale_after_s / 8 (1.25 s by default), and
+# a foreign holder whose heartbeat is older than the budget's stale_after_s (10 s by default, set
+# at creation, at least MIN_STALE_AFTER_S) is dead. Staleness bound: a crashed foreign holder's
+# share comes back at the first reclaim after stale_after_s; a live foreign holder is reclaimed
+# only if its heartbeat thread cannot run for stale_after_s (the process frozen that long), and
+# then its next acquire or release fails loudly (its slot token changed) instead of counting
+# twice. The beat is one aligned store without the flock; it checks the slot's token first, so it
+# never refreshes a slot that was reclaimed and handed to another holder (but for the instant
+# between that check and the store).
+#
+# Note [No /proc under the flock]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Judging a holder reads /proc/<pid>/stat (~10 µs each, more on a loaded machine): under the
+# flock, 256 holders would stall every other acquirer for milliseconds. So find_dead() scans the
+# slots with plain reads and no lock, and reclaim() then, under LOCK_EX, frees only the slots
+# that still hold the same handle (token, pid, start time, pid namespace: a dead process never
+# comes back, so the verdict still holds) and, for heartbeat verdicts, have not beaten since.
+# Snapshots copy the segment under LOCK_SH and judge the holders after the unlock.

@@ -42,10 +42,12 @@ def unique_name(tag: str) -> str:
 class Proc:
     """A role running in a child process, started and past READY."""
 
-    def __init__(self, role: str, *args: str, wait: bool = True) -> None:
+    def __init__(self, role: str, *args: str, wait: bool = True,
+                 prefix: tuple[str, ...] = ()) -> None:
+        """``prefix``: a command that runs the role, e.g. ``unshare`` into a new pid namespace."""
         self.role = role
         self.popen = subprocess.Popen(
-            [sys.executable, __file__, role, *args], stdin=subprocess.PIPE,
+            [*prefix, sys.executable, __file__, role, *args], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, text=True)
         if wait:
             self.wait_ready()
@@ -259,6 +261,22 @@ def role_budget_worker(args: argparse.Namespace) -> None:
     print(json.dumps({"acquired": acquired, "refused": refused}), flush=True)
 
 
+def role_budget_die_midway(args: argparse.Namespace) -> None:
+    """Hold ``held`` bytes, then SIGKILL this process between the slot's and the total's write of
+    one more acquisition or release of ``amount`` (budget._between_slot_and_total)."""
+    from kvcached import budget as kb
+
+    handle = Budget.open(args.name)
+    if not handle.try_acquire(args.held):
+        raise SystemExit(f"could not acquire {args.held} bytes")
+    kb._between_slot_and_total = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    if args.op == "acquire":
+        handle.try_acquire(args.amount)
+    else:
+        handle.release(args.amount)
+    print("SURVIVED", flush=True)
+
+
 def role_budget_hog(args: argparse.Namespace) -> None:
     budget = Budget.open(args.name)
     if not budget.try_acquire(args.bytes):
@@ -294,6 +312,12 @@ def main() -> None:
     p.add_argument("seed", type=int)
     p.add_argument("max_bytes", type=int)
     p.set_defaults(run=role_budget_worker)
+    p = sub.add_parser("budget-die-midway")
+    p.add_argument("name")
+    p.add_argument("held", type=int)
+    p.add_argument("op", choices=["acquire", "release"])
+    p.add_argument("amount", type=int)
+    p.set_defaults(run=role_budget_die_midway)
     p = sub.add_parser("budget-hog")
     p.add_argument("name")
     p.add_argument("bytes", type=int)

@@ -7,18 +7,31 @@ import json
 import mmap
 import os
 import random
+import shutil
 import signal
+import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _procs import Proc, unique_name
 from kvcached import budget as kb
 from kvcached.budget import Budget, delete_budget, gc_budgets, read_budget, set_budget
-from kvcached.errors import KVCachedConfigError, KVCachedError
+from kvcached.errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
 
 MiB = 1 << 20
+
+
+def _wait(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until it holds; a generous timeout turns a hang into a failure."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
 
 
 @pytest.fixture
@@ -139,8 +152,8 @@ def test_sigkilled_holder_is_recovered_by_the_next_acquirer(name):
         with Budget.open(name) as b:
             assert not b.try_acquire(4 * MiB)
             hog.kill(signal.SIGKILL)
-            time.sleep(kb.RECLAIM_EVERY_S)  # this handle scans for dead holders at most so often
-            assert b.try_acquire(10 * MiB)
+            # this handle scans for dead holders at most every RECLAIM_EVERY_S
+            _wait(lambda: b.try_acquire(10 * MiB), what="the dead holder's share")
             snap = b.snapshot()
             assert (snap.held_bytes, snap.recovered_bytes) == (10 * MiB, 7 * MiB)
             assert [h.pid for h in snap.holders] == [os.getpid()]
@@ -224,3 +237,208 @@ def test_eight_processes_never_exceed_the_budget(name):
         b.release(budget_bytes)
     snap = read_budget(name)
     assert (snap.held_bytes, snap.holders) == (0, ())
+
+
+# -- integers, as every entry point takes them ---------------------------------------------------
+
+def test_sizes_take_numpy_integers_and_refuse_bools_floats_and_overflow(name):
+    for bad in (True, 1.5, float("nan"), 1 << 63, -1, "5"):
+        with pytest.raises(KVCachedConfigError, match="budget_bytes="):
+            Budget.open(name, budget_bytes=bad)
+        with pytest.raises(KVCachedConfigError, match="budget_bytes="):
+            set_budget(name, bad)
+    assert not os.path.exists(kb.budget_path(name))  # nothing was created
+    with Budget.open(name, budget_bytes=np.int64(4 * MiB)) as b:
+        assert b.try_acquire(np.int32(MiB)) and b.held_bytes == MiB
+        for bad in (True, 1.0, -1, 1 << 63):
+            with pytest.raises(ValueError, match="nbytes="):
+                b.try_acquire(bad)
+            with pytest.raises(ValueError, match="nbytes="):
+                b.release(bad)
+        b.release(np.uint8(1))
+        b.check_invariants()
+    for bad in (0.1, float("inf"), True, "1"):
+        with pytest.raises(KVCachedConfigError, match="stale_after_s="):
+            set_budget(name, MiB, stale_after_s=bad)
+
+
+# -- free_bytes ------------------------------------------------------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.sampled_from(["acquire", "release", "resize"]),
+                                st.integers(0, 1), st.integers(0, 6 * MiB)), max_size=30))
+def test_free_bytes_is_what_the_budget_has_left(steps):
+    name = unique_name("free")
+    try:
+        with Budget.open(name, 4 * MiB) as a, Budget.open(name) as b:
+            handles, budget_bytes = (a, b), 4 * MiB
+            for op, which, amount in steps:
+                handle = handles[which]
+                if op == "acquire":
+                    handle.try_acquire(amount)
+                elif op == "release":
+                    handle.release(min(amount, handle.held_bytes))
+                else:
+                    budget_bytes = amount
+                    set_budget(name, amount)
+                held = a.held_bytes + b.held_bytes
+                assert a.free_bytes() == b.free_bytes() == max(0, budget_bytes - held)
+                # what free_bytes promises can be taken, while nothing changes in between
+                free = a.free_bytes()
+                assert a.try_acquire(free)
+                a.release(free)
+    finally:
+        delete_budget(name, force=True)
+
+
+def test_free_bytes_takes_no_lock_and_refuses_a_closed_handle(name):
+    b = Budget.open(name, 8 * MiB)
+    assert b.try_acquire(3 * MiB)
+    fd = os.open(kb.budget_path(name), os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another holder inside its critical section
+        answer = []
+        reader = threading.Thread(target=lambda: answer.append(b.free_bytes()))
+        reader.start()
+        reader.join(30)
+        assert answer == [5 * MiB]  # answered while the flock was held
+    finally:
+        os.close(fd)
+    b.close()
+    with pytest.raises(KVCachedClosedError, match="closed"):
+        b.free_bytes()
+
+
+# -- a holder killed between its two writes ------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["acquire", "release"])
+def test_holder_killed_between_slot_and_total_leaks_nothing(name, op):
+    set_budget(name, 10 * MiB)
+    with Budget.open(name) as mine:
+        assert mine.try_acquire(1 * MiB)
+        with Proc("budget-die-midway", name, str(4 * MiB), op, str(2 * MiB), wait=False) as doomed:
+            status = doomed.popen.wait(30)
+        assert status == -signal.SIGKILL  # died between the two writes
+        gc_budgets()
+        snap = read_budget(name)
+        assert snap.held_bytes == sum(h.held_bytes for h in snap.holders) == 1 * MiB
+        assert mine.free_bytes() == 9 * MiB
+        assert mine.try_acquire(9 * MiB)  # nothing of the dead holder is left counted
+        mine.check_invariants()
+
+
+# -- heartbeats: reclaiming holders of other pid namespaces -----------------------------------------
+
+_UNSHARE = ("unshare", "--user", "--map-root-user", "--pid", "--fork")
+
+
+def _can_unshare() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    return subprocess.run([*_UNSHARE, "true"], capture_output=True).returncode == 0
+
+
+def _child_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return int(f.read().split()[0])
+
+
+def _heartbeat_age_s(name: str, pid: int) -> float:
+    holder = next(h for h in read_budget(name).holders if h.pid == pid)
+    return (time.time_ns() - holder.heartbeat_ns) / 1e9
+
+
+@pytest.mark.skipif(not _can_unshare(), reason="no unprivileged user and pid namespaces here")
+def test_foreign_holder_is_reclaimed_only_once_its_heartbeat_stops(name):
+    """A holder in another pid namespace (another container): kept while it beats, reclaimed once
+    its heartbeat is older than the budget's stale_after_s."""
+    stale_s = 1.0
+    set_budget(name, 10 * MiB, stale_after_s=stale_s)
+    with Proc("budget-hog", name, str(6 * MiB), prefix=_UNSHARE) as hog:
+        python = _child_pid(hog.pid)
+        (foreign,) = read_budget(name).holders
+        assert foreign.pid == 1 and foreign.alive  # pid 1 of its own namespace
+        with Budget.open(name) as mine:
+            start = time.monotonic()
+            while time.monotonic() - start < 3 * stale_s:  # it beats: never reclaimed
+                assert not mine.try_acquire(5 * MiB)
+                assert gc_budgets().get(name, 0) == 0
+                time.sleep(0.01)
+            os.kill(python, signal.SIGSTOP)  # its heartbeat stops; /proc cannot tell
+            try:
+                _wait(lambda: mine.try_acquire(5 * MiB), what="the stalled holder's reclaim")
+                snap = mine.snapshot()
+                assert (snap.held_bytes, snap.recovered_bytes) == (5 * MiB, 6 * MiB)
+                assert [h.pid for h in snap.holders] == [os.getpid()]
+                mine.check_invariants()
+            finally:
+                os.kill(python, signal.SIGKILL)
+
+
+def test_live_holder_of_this_namespace_is_never_reclaimed(name):
+    """A stopped holder whose heartbeat is long stale is still alive by /proc: kept."""
+    set_budget(name, 10 * MiB, stale_after_s=kb.MIN_STALE_AFTER_S)
+    with Proc("budget-hog", name, str(6 * MiB)) as hog:
+        os.kill(hog.pid, signal.SIGSTOP)
+        try:
+            _wait(lambda: _heartbeat_age_s(name, hog.pid) > 3 * kb.MIN_STALE_AFTER_S,
+                  what="a stale heartbeat")
+            assert gc_budgets().get(name, 0) == 0
+            with Budget.open(name) as mine:
+                assert not mine.try_acquire(5 * MiB)
+            (held,) = [h for h in read_budget(name).holders if h.pid == hog.pid]
+            assert held.alive and held.held_bytes == 6 * MiB
+        finally:
+            os.kill(hog.pid, signal.SIGCONT)
+
+
+def test_heartbeat_thread_runs_while_a_handle_is_open(name):
+    set_budget(name, MiB, stale_after_s=kb.MIN_STALE_AFTER_S)
+    with Budget.open(name) as b:
+        first = read_budget(name).holders[0].heartbeat_ns
+        _wait(lambda: read_budget(name).holders[0].heartbeat_ns > first, what="a beat")
+        thread = kb._heartbeat._thread
+        assert thread is not None and thread.is_alive()
+        b.try_acquire(1)
+    assert kb._heartbeat._thread is None and not thread.is_alive()  # the last close joined it
+
+
+# -- no /proc under the flock ---------------------------------------------------------------------
+
+def test_no_proc_read_while_the_flock_is_held(name, monkeypatch):
+    """Every /proc judgement of a holder (owner_alive) runs while nobody holds the flock: a
+    non-blocking LOCK_EX on a fresh descriptor succeeds at that moment."""
+    held_during = []
+    real = kb.owner_alive
+
+    def spy(pid, start, pid_ns):
+        fd = os.open(kb.budget_path(name), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held_during.append(pid)
+        finally:
+            os.close(fd)
+        return real(pid, start, pid_ns)
+
+    set_budget(name, 8 * MiB)
+    monkeypatch.setattr(kb, "owner_alive", spy)
+    handles = [Budget.open(name)]
+    try:
+        with Proc("budget-hog", name, str(6 * MiB)) as hog:
+            hog.kill(signal.SIGKILL)
+        assert handles[0].try_acquire(4 * MiB)  # short: reclaims the dead holder first
+        with Proc("budget-hog", name, str(1 * MiB)) as hog:
+            hog.kill(signal.SIGKILL)
+        while len(handles) < kb.NUM_SLOTS - 1:  # every slot taken, the dead one's included
+            handles.append(Budget.open(name))
+        handles.append(Budget.open(name))  # no free slot: reclaims the dead holder's
+        with pytest.raises(KVCachedError, match="no free slot"):
+            Budget.open(name)  # scans again, finds only live holders
+        read_budget(name)
+        gc_budgets()
+        assert read_budget(name).recovered_bytes == 7 * MiB
+    finally:
+        for h in handles:
+            h.close()
+    assert held_during == []
