@@ -15,14 +15,14 @@ import weakref
 from . import config, runtime
 from .checks import as_int
 from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
-from .mem_info_tracker import NO_LIMIT, MemInfoTracker, classify_limit_request
+from .mem_info_tracker import I64_MAX, NO_LIMIT, MemInfoTracker, classify_limit_request
 
 logger = logging.getLogger("kvcached")
 
 _UNITS = {"bytes": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 PUBLISH_INTERVAL_S = 0.01
-MAX_LIMIT_BYTES = 1 << 62           # 4 EiB: past any device, well inside the segment's int64 field
-MAX_REVISION = (1 << 63) - 1        # the segment's int64 revision field
+MAX_LIMIT_BYTES = I64_MAX           # what the segment's limit field (int64) holds, as kvctl accepts
+MAX_REVISION = I64_MAX              # what the segment's revision field (int64) holds
 _HOT_PATH = ("alloc", "free", "alloc_into", "free_from", "available_size")
 _all_managers: weakref.WeakSet = weakref.WeakSet()    # every manager made, for the fork handler
 
@@ -132,7 +132,6 @@ class KVCacheManager:
                                     idle_trim_s=settings.idle_trim_s)
         self._blocks = BlockAllocator(self._pages, first, count, layout.id_to_page_num, layout.id_to_page_den,
                                       layout.max_block_id)
-        self._blocks.debug_checks = settings.debug_checks
         self._set_stream()
         if settings.global_budget is not None:      # before the null block: its page counts too
             self._attach_budget(settings.global_budget)
@@ -470,13 +469,10 @@ class KVCacheManager:
             self._publisher.join()
         if self._tracker is not None:
             step(self._tracker.close)           # joins the watcher: no limit is applied after this
-        if self._pages is not None:
-            step(self._pages.stop)
         if self._blocks is not None:
-            step(self._blocks.clear)
-        if self._pages is not None:
-            step(self._pages.trim)
-            step(self._pages.drain, True)
+            step(self._blocks.close)            # frees every block; stops the refill thread, unmaps every page
+        elif self._pages is not None:
+            step(self._pages.close)
         if self._budget is not None:
             step(self._budget.close)
         if errors:

@@ -221,7 +221,7 @@ def _create_group(rt: _Runtime, group_id: int, num_layers: int, num_kv_buffers: 
                   num_blocks: int, joint_kv: bool) -> KVGroup:
     settings = config.settings()
     name, reason = choose_layout(settings.layout, rt.backend.kind, joint_kv,
-                                 integrated_memory=rt.backend.kind == "cuda" and rt.backend.integrated_memory)
+                                 integrated_memory=rt.backend.integrated_memory)
     layout = make_layout(name, num_layers, num_kv_buffers, block_bytes, rt.page_bytes, num_blocks,
                          rt.backend.granularity)
     ranges = [rt.backend.reserve(size) for size in layout.range_sizes()]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 import pathlib
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -149,10 +150,11 @@ def test_idle_trim_random(value):
 
 
 def test_nothing_else_reads_the_environment():
+    """Reads only: an application (the demo) may set KVCACHED_* for the instances it starts."""
+    reads = re.compile(r"os\.environ(\.get\b|\.copy\b|\[[^\]]*\](?!\s*=[^=]))|getenv\(|environb|dict\(os\.environ\)")
     package = pathlib.Path(config.__file__).parent
     for path in package.rglob("*"):
         if path.suffix not in (".py", ".pyx", ".pxi") or path.name == "config.py":
             continue
-        text = path.read_text()
-        for needle in ("os.environ", "getenv(", "environb"):
-            assert needle not in text, f"{path.relative_to(package)} reads the environment ({needle})"
+        found = reads.search(path.read_text())
+        assert found is None, f"{path.relative_to(package)} reads the environment ({found.group(0)})"
