@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import pytest
 
 from _procs import KvtopTerminal, Proc, kvctl, run_module, unique_name
+from kvcached import mem_info_tracker as mit
 from kvcached.budget import delete_budget, read_budget
-from kvcached.sizes import format_bytes, parse_size
 from kvcached.errors import KVCachedError
 from kvcached.mem_info_tracker import read_segment
+from kvcached.sizes import format_bytes, parse_size
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -63,6 +65,10 @@ def test_kvtop_help():
     (["limit", "{name}", "150%"], 1, "above 100%"),
     (["limit", "{name}", "1G", "--revision", "-3"], 1, "--revision -3 is negative"),
     (["limit", "{name}", "1G", "--timeout", "-1"], 1, "--timeout -1.0 is negative"),
+    (["limit", "{name}", "99999999999999999999"], 1, "above the largest limit a segment holds"),
+    (["limit", "{name}", "99999999T"], 1, "above the largest limit a segment holds"),
+    (["limit", "{name}", "1G", "--revision", "99999999999999999999"], 1,
+     "the largest a segment holds"),
     (["limit", "bad/name", "1G"], 1, "segment name 'bad/name' is invalid"),
     (["delete", "no-such-instance-y"], 1, "no kvcached instance named 'no-such-instance-y'"),
     (["watch", "--interval", "0"], 1, "--interval 0.0 is invalid"),
@@ -229,3 +235,37 @@ def test_kvtop_in_a_terminal_follows_resize_and_quits_on_q(unchanged_instance):
 def test_kvtop_refuses_a_pipe_without_once():
     result = run_module("kvcached.cli.kvtop")
     assert result.returncode == 2 and "use --once" in result.stderr
+
+
+def _poke_name(path: str, name: bytes) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, name.ljust(256, b"\0"), mit.OFFSETS["name"])
+    finally:
+        os.close(fd)
+
+
+def test_tampered_names_are_escaped_never_printed_raw():
+    """A segment whose name bytes another program rewrote, and a file whose very name carries
+    control characters: every command shows them escaped (\\x1b), never raw."""
+    name = unique_name("tamper")
+    evil_file = mit.segment_path(unique_name("evilfile")) + "\x1b[2J\x07"
+    with Proc("hold", name):
+        _poke_name(read_segment(name).path, b"evil\x1b]0;pwned\x07\x1b[31mred\n\xc2\x9bx")
+        with open(evil_file, "wb") as f:
+            f.write(b"not a segment")
+        outputs = {
+            "list": kvctl("list"), "watch": kvctl("watch", "--count", "1"),
+            "kvtop": run_module("kvcached.cli.kvtop", "--once", "--width", "200")}
+        for command, result in outputs.items():
+            assert result.returncode == 0, (command, result.stderr)
+            for stream in (result.stdout, result.stderr):
+                assert not any(c in stream for c in "\x1b\x07\x9b"), (command, stream)
+            assert "evil\\x1b]0;pwned\\x07\\x1b[31mred\\n\\x9bx" in result.stdout, command
+        assert "\\x1b[2J" in outputs["list"].stderr  # the odd file is skipped, escaped
+        records = json.loads(kvctl("list", "--json").stdout)  # JSON escapes by itself
+        assert any(r["name"].startswith("evil\x1b") for r in records)
+        gc = kvctl("gc")
+        assert gc.returncode == 0 and "\x1b" not in gc.stdout
+        assert "\\x1b[2J\\x07 (not a valid segment)" in gc.stdout
+        assert not os.path.exists(evil_file)

@@ -18,6 +18,7 @@ import time
 from ..budget import delete_budget, gc_budgets, list_budgets, read_budget, set_budget
 from ..errors import KVCachedError
 from ..mem_info_tracker import (
+    I64_MAX,
     NO_LIMIT,
     Snapshot,
     delete_segment,
@@ -50,6 +51,12 @@ class _Fail(Exception):
         self.status = status
 
 
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on escaped (``\\x1b``, ``\\n``,
+    ``\\u202e``): names come from files any local user can write."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def state_of(snap: Snapshot) -> str:
     """"alive", "stale" (alive, heartbeat older than STALE_AFTER_S: hung) or "dead"."""
     if not snap.alive:
@@ -71,7 +78,8 @@ def _snapshots(warn: bool = True) -> list[Snapshot]:
         if isinstance(snap, Snapshot):
             snaps.append(snap)
         elif warn:
-            print(f"kvctl: skipped segment {name!r}: {snap}", file=sys.stderr)
+            print(f"kvctl: skipped segment {printable(name)!r}: {printable(str(snap))}",
+                  file=sys.stderr)
     return snaps
 
 
@@ -92,7 +100,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         return EXIT_OK
     rows = [["NAME", "PID", "STATE", "LIMIT", "USED", "RESERVED", "CAPACITY", "STATUS", "REV"]]
     for s in snaps:
-        rows.append([s.name, str(s.pid), state_of(s), format_bytes(s.limit_bytes),
+        rows.append([printable(s.name), str(s.pid), state_of(s), format_bytes(s.limit_bytes),
                      format_bytes(s.used_bytes), format_bytes(s.reserved_bytes),
                      format_bytes(s.capacity_bytes), s.limit_status, str(s.limit_revision)])
     print(_table(rows, right={1, 3, 4, 5, 6, 8}))
@@ -108,10 +116,17 @@ def cmd_limit(args: argparse.Namespace) -> int:
         limit_bytes = NO_LIMIT if args.size.strip().lower() == "none" else parse_size(args.size, snap.capacity_bytes)
     except ValueError as exc:
         raise _Fail(str(exc)) from None
+    if limit_bytes > I64_MAX:
+        raise _Fail(f"size {args.size!r} is {limit_bytes} bytes, above the largest limit a "
+                    f"segment holds ({format_bytes(I64_MAX)}); give a smaller size, or none to "
+                    "remove the limit")
     if args.timeout < 0:
         raise _Fail(f"--timeout {args.timeout} is negative: give seconds >= 0 (0: do not wait)")
     if args.revision is not None and args.revision < 0:
         raise _Fail(f"--revision {args.revision} is negative: give a revision >= 0, or omit it")
+    if args.revision is not None and args.revision > I64_MAX:
+        raise _Fail(f"--revision {args.revision} is above {I64_MAX}, the largest a segment "
+                    "holds; omit it to take the next one")
     request = request_limit(args.name, limit_bytes, args.revision)
     ack = wait_for_ack(request, timeout_s=args.timeout)
     if args.json:
@@ -172,7 +187,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
             now = time.strftime("%H:%M:%S")
             current = {s.name: s for s in _snapshots(warn=polls == 1)}
             for name in sorted(set(seen) - set(current)):
-                print(f"{now} - {name} gone", flush=True)
+                print(f"{now} - {printable(name)} gone", flush=True)
                 del seen[name]
             for name, s in current.items():
                 key = (s.used_bytes, s.reserved_bytes, s.limit_bytes, s.limit_revision,
@@ -180,7 +195,8 @@ def cmd_watch(args: argparse.Namespace) -> int:
                 if seen.get(name) != key:
                     mark = "~" if name in seen else "+"
                     seen[name] = key
-                    print(f"{now} {mark} {name} {state_of(s)} used {format_bytes(s.used_bytes)}"
+                    print(f"{now} {mark} {printable(name)} {state_of(s)} used "
+                          f"{format_bytes(s.used_bytes)}"
                           f" reserved {format_bytes(s.reserved_bytes)} limit "
                           f"{format_bytes(s.limit_bytes)} rev {s.limit_revision} "
                           f"{s.limit_status}", flush=True)
@@ -192,10 +208,10 @@ def cmd_watch(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     removed = gc_segments()
     recovered = gc_budgets()
-    for name in removed:
-        print(f"removed segment {name} (owner dead)")
+    for name, why in removed.items():
+        print(f"removed segment {printable(name)} ({why})")
     for name, nbytes in recovered.items():
-        print(f"budget {name}: recovered {format_bytes(nbytes)} from dead holders")
+        print(f"budget {printable(name)}: recovered {format_bytes(nbytes)} from dead holders")
     if not removed and not recovered:
         print("nothing to clean")
     return EXIT_OK
@@ -219,7 +235,8 @@ def cmd_budget(args: argparse.Namespace) -> int:
         else:
             rows = [["NAME", "BUDGET", "HELD", "FREE", "HOLDERS", "RECOVERED"]]
             for b in budgets:
-                rows.append([b.name, format_bytes(b.budget_bytes), format_bytes(b.held_bytes),
+                rows.append([printable(b.name), format_bytes(b.budget_bytes),
+                             format_bytes(b.held_bytes),
                              format_bytes(max(0, b.budget_bytes - b.held_bytes)),
                              str(len(b.holders)), format_bytes(b.recovered_bytes)])
             print(_table(rows, right={1, 2, 3, 4, 5}))
@@ -241,7 +258,7 @@ def cmd_budget(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(snap.to_dict(), indent=2))
         return EXIT_OK
-    print(f"budget {snap.name}: {format_bytes(snap.budget_bytes)}, held "
+    print(f"budget {printable(snap.name)}: {format_bytes(snap.budget_bytes)}, held "
           f"{format_bytes(snap.held_bytes)} by {len(snap.holders)} holder(s), recovered "
           f"{format_bytes(snap.recovered_bytes)}")
     for h in snap.holders:

@@ -16,8 +16,8 @@ import sys
 import time
 
 from ..mem_info_tracker import Snapshot, list_segments
-from .kvctl import state_of
 from ..sizes import format_bytes
+from .kvctl import printable, state_of
 
 LEGEND = "# used  + reserved  . free  | limit"
 
@@ -42,7 +42,7 @@ def render(snaps: list[Snapshot], width: int) -> list[str]:
     if not snaps:
         lines.append("no kvcached instances")
     for s in snaps:
-        figures = (f"{s.name}  pid {s.pid} {state_of(s)}  used {format_bytes(s.used_bytes)}  "
+        figures = (f"{printable(s.name)}  pid {s.pid} {state_of(s)}  used {format_bytes(s.used_bytes)}  "
                    f"reserved {format_bytes(s.reserved_bytes)}  limit "
                    f"{format_bytes(s.limit_bytes)} ({s.limit_status}, rev {s.limit_revision})  "
                    f"capacity {format_bytes(s.capacity_bytes)}")
