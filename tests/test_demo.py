@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -103,6 +104,23 @@ def test_the_demo_leaves_nothing_behind(quick_run):
         assert not os.path.exists(f"/proc/{instance['pid']}") or _zombie_or_other(instance["pid"])
 
 
+def _remove_leftovers(output: str) -> None:
+    """Remove what a demo killed by SIGKILL left: its budget and its instances' segments."""
+    from kvcached.budget import delete_budget
+    from kvcached.errors import KVCachedError
+    from kvcached.mem_info_tracker import delete_segment
+
+    match = re.search(r"global budget (demo-\S+) ", output)
+    if match is None:
+        return
+    for remove, name in ((delete_budget, match.group(1)), (delete_segment, f"{match.group(1)}-llama"),
+                         (delete_segment, f"{match.group(1)}-qwen2")):
+        try:
+            remove(name)                        # refuses a live owner
+        except KVCachedError:
+            pass
+
+
 def _zombie_or_other(pid: int) -> bool:
     """True if /proc/pid is not a live kvcached demo instance (a reused pid, or a zombie)."""
     try:
@@ -115,9 +133,10 @@ def _zombie_or_other(pid: int) -> bool:
     return state == "Z" or b"multiprocessing" not in cmdline
 
 
-def _read_until(proc: subprocess.Popen, text: str, timeout_s: float) -> str:
-    """stdout of ``proc`` up to and including the first line containing ``text``."""
-    seen = []
+def _read_until(proc: subprocess.Popen, text: str, timeout_s: float, seen: list[str]) -> str:
+    """stdout of ``proc`` up to and including the first line containing ``text`` (each line read is
+    also appended to ``seen``)."""
+    start = len(seen)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         ready, _, _ = select.select([proc.stdout], [], [], 1.0)
@@ -128,16 +147,17 @@ def _read_until(proc: subprocess.Popen, text: str, timeout_s: float) -> str:
             break
         seen.append(line)
         if text in line:
-            return "".join(seen)
-    raise AssertionError(f"{text!r} not in the output within {timeout_s} s:\n" + "".join(seen))
+            return "".join(seen[start:])
+    raise AssertionError(f"{text!r} not in the output within {timeout_s} s:\n" + "".join(seen[start:]))
 
 
 def test_hold_keeps_the_instances_until_ctrl_c(tmp_path):
     proc = subprocess.Popen(_demo(tmp_path, "--hold"), cwd=tmp_path, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen: list[str] = []
     try:
-        output = _read_until(proc, "until Ctrl-C", DEMO_TIMEOUT_S)
-        output += _read_until(proc, "kvtop", 10)
+        output = _read_until(proc, "until Ctrl-C", DEMO_TIMEOUT_S, seen)
+        output += _read_until(proc, "kvtop", 10, seen)
         assert "kvctl list" in output
         with open(tmp_path / "memory.json") as f:
             record = json.load(f)               # written before holding
@@ -152,9 +172,10 @@ def test_hold_keeps_the_instances_until_ctrl_c(tmp_path):
         os.killpg(proc.pid, signal.SIGINT)      # Ctrl-C reaches the whole process group
         rest, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.poll() is None:                 # the test failed: take the demo and its instances down
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
+            _remove_leftovers("".join(seen))
     assert proc.returncode == 130, output + rest
     assert "interrupted" in rest
     assert _leftovers(record) == []

@@ -86,6 +86,8 @@ def _serve(spec: InstanceSpec, conn) -> None:
     model = build_model(spec.family, preset=w.preset, dtype=dtype, device=spec.device, seed=spec.seed)
     cache = ElasticKVCache(model.config, w.num_blocks, block_size=w.block_size, dtype=dtype, device=spec.device)
     loop = ServingLoop(model, cache, max_running=w.max_running)
+    loop.add_request([1] * w.block_size, 2)     # warm-up: the first step compiles and loads kernels
+    loop.run_until_done()
     conn.send(("ready", {"pid": os.getpid(), "ipc_name": cache.manager.ipc_name,
                          "page_bytes": cache.manager.page_bytes,
                          "capacity_bytes": cache.manager.num_pages * cache.manager.page_bytes,

@@ -1,6 +1,6 @@
 """The demo's parent process: the budget, two instances, the phases, the samples, the picture.
 
-The parent imports neither torch nor the compiled core: it creates the global budget, starts the
+The parent does not import torch: it creates the global budget, starts the
 two instances (kvcached.demo.instance), moves the clients between them, and samples once per tick
 what kvctl would show (each instance's segment and the budget) beside the serving counters the
 instances report over their pipes.
@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from ..budget import delete_budget, read_budget, set_budget
 from ..errors import KVCachedError
 from ..mem_info_tracker import delete_segment, read_segment
+from ..sizes import format_bytes
 from . import plot
 from .instance import InstanceSpec, Workload, serve
 from .schedule import Phase, phase_at, phases
@@ -36,9 +37,8 @@ CPU_WORKLOAD = Workload(preset="tiny", dtype="float32", page_size_bytes=8 << 10,
                         max_running=48, clients=40, prompt_tokens=(64, 192), new_tokens=(16, 48))
 CPU_BUDGET_BYTES = 5 << 19                  # 2.5 MiB
 CUDA_WORKLOAD = Workload(preset="llama3-8b", dtype="bfloat16", page_size_bytes=2 << 20, num_blocks=8192,
-                         block_size=16, max_running=128, clients=96, prompt_tokens=(256, 1024),
-                         new_tokens=(32, 128))
-CUDA_BUDGET_BYTES = 6 << 30
+                         block_size=16, max_running=64, clients=64, prompt_tokens=(128, 512), new_tokens=(16, 64))
+CUDA_BUDGET_BYTES = 2 << 30
 # Pool bounds and idle trim short enough that an idle instance visibly gives its pages back.
 POOL_SETTINGS = {"KVCACHED_MIN_RESERVED_PAGES": "2", "KVCACHED_MAX_RESERVED_PAGES": "4",
                  "KVCACHED_IDLE_TRIM_S": "0.3", "KVCACHED_TRACKER": "1"}
@@ -145,14 +145,16 @@ class _Recorder:
 
 def _frame(plan: list[Phase], index: int, t_s: float, sample: dict, instances: list[_Instance], budget_name: str,
            budget_bytes: int, holding: bool) -> Frame:
-    rows = tuple(Row(name=inst.spec.name, model=f"{inst.spec.family} {inst.spec.workload.preset}",
+    rows = tuple(Row(name=inst.spec.name, model=inst.spec.workload.preset,
                      clients=s["clients"], mapped_bytes=s["mapped_bytes"], used_bytes=s["used_bytes"],
                      reserved_bytes=s["reserved_bytes"], running=s["running"], waiting=s["waiting"],
                      preemptions=s["preemptions"], generated_tokens=s["generated_tokens"],
                      tokens_per_s=s["tokens_per_s"])
                  for inst, s in zip(instances, sample["instances"]))
-    label = f"{plan[index].label} (holding: Ctrl-C stops)" if holding else plan[index].label
-    return Frame(t_s=t_s, total_s=plan[-1].end_s, phase=label, budget_name=budget_name,
+    label = f"phase {index + 1}/{len(plan)}: {plan[index].label}"
+    if holding:
+        label += " (holding; Ctrl-C stops)"
+    return Frame(t_s=t_s, total_s=0.0 if holding else plan[-1].end_s, phase=label, budget_name=budget_name,
                  budget_bytes=budget_bytes, held_bytes=sample["held_bytes"], rows=rows)
 
 
@@ -218,7 +220,7 @@ def run(options: Options) -> int:
     plan = phases(FAMILIES, options.phase_s)
     set_budget(tag, budget_bytes)
     print(f"kvcached demo on {options.device}: two instances ({' and '.join(FAMILIES)}, {workload.preset} models) "
-          f"share the global budget {tag} of {budget_bytes / (1 << 20):.0f} MiB; the load moves between them in "
+          f"share the global budget {tag} of {format_bytes(budget_bytes)}; the load moves between them in "
           f"{len(plan)} phases of {options.phase_s:g} s.", flush=True)
     context = multiprocessing.get_context("spawn")
     instances: list[_Instance] = []
@@ -286,7 +288,8 @@ def terminate_on_sigterm() -> None:
 # The budget must be what limits the instances, so the clients of a busy instance need more KV
 # memory than the budget holds: on the CPU, 40 clients with ~150 tokens each in the cache at 512
 # bytes per token (the tiny models in fp32) want ~3 MiB against a budget of 2.5 MiB; on CUDA, 96
-# clients of the Llama-3-8B shapes in bf16 (128 KiB per token) want ~8 GiB against 6 GiB. Alone,
+# clients of the Llama-3-8B shapes in bf16 (128 KiB per token) want ~8 GiB against 6 GiB. Few
+# tokens are generated per request (16 to 64) so that an idle instance drains within a phase. Alone,
 # a busy instance maps the whole budget and preempts; with the clients split, each half wants
 # ~60% of the budget, so the two compete: the budget is first come, first served (nothing divides
 # it), and the instance that had the memory keeps what its clients need while the newcomer runs on

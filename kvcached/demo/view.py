@@ -10,7 +10,7 @@ from typing import Self
 
 from ..sizes import format_bytes
 
-BAR_CELLS = 24
+BAR_CELLS = 12
 PLAIN_EVERY_S = 1.0
 
 
@@ -36,7 +36,7 @@ class Frame:
     """Everything one refresh of the view shows."""
 
     t_s: float
-    total_s: float
+    total_s: float                  # 0: no end (holding)
     phase: str
     budget_name: str
     budget_bytes: int
@@ -54,8 +54,13 @@ def _bar(value: int, whole: int) -> str:
 
 
 def _heading(frame: Frame) -> str:
-    return (f"{frame.phase:<18} {frame.t_s:5.1f} of {frame.total_s:.0f} s   budget {frame.budget_name}: "
-            f"{format_bytes(frame.held_bytes)} of {format_bytes(frame.budget_bytes)} mapped")
+    clock = f"{frame.t_s:.1f} of {frame.total_s:.0f} s" if frame.total_s else f"{frame.t_s:.0f} s"
+    return (f"{frame.phase}  {clock}  budget {frame.budget_name}: "
+            f"{format_bytes(frame.held_bytes)} of {format_bytes(frame.budget_bytes)} held")
+
+
+def _models(frame: Frame) -> str:
+    return ", ".join(f"{r.name}: {r.model} model" for r in frame.rows)
 
 
 class PlainView:
@@ -112,22 +117,24 @@ class RichView:
         self._live.console.print(text, markup=False, highlight=False)
 
     def show(self, frame: Frame) -> None:
+        from rich import box
         from rich.console import JustifyMethod
         from rich.table import Table
 
-        table = Table(title=_heading(frame), title_justify="left", expand=False)
         columns: tuple[tuple[str, JustifyMethod], ...] = (
-            ("instance", "left"), ("model", "left"), ("load", "right"), ("mapped (MiB)", "right"),
-            ("share of the budget", "left"), ("live / pool", "right"), ("running", "right"), ("waiting", "right"),
-            ("preempted", "right"), ("tokens", "right"), ("tok/s", "right"))
+            ("instance", "left"), ("clients", "right"), ("MiB", "right"), ("of budget", "left"),
+            ("live+pool", "right"), ("run", "right"), ("wait", "right"), ("preempted", "right"),
+            ("tokens", "right"), ("tok/s", "right"))
+        table = Table(title=_heading(frame), title_justify="left", box=box.SIMPLE_HEAD, expand=False,
+                      caption=f"{_models(frame)}; MiB mapped = live (pages holding blocks) + pool",
+                      caption_justify="left")
         for header, justify in columns:
             table.add_column(header, justify=justify)
         for r in frame.rows:
             table.add_row(
-                r.name, r.model, f"[bold green]{r.clients} clients[/]" if r.clients else "[dim]idle[/]",
-                _mib(r.mapped_bytes),
-                f"[cyan]{_bar(r.mapped_bytes, frame.budget_bytes)}[/]",
-                f"{_mib(r.used_bytes)} / {_mib(r.reserved_bytes)}", str(r.running), str(r.waiting),
+                r.name, f"[bold green]{r.clients}[/]" if r.clients else "[dim]idle[/]",
+                _mib(r.mapped_bytes), f"[cyan]{_bar(r.mapped_bytes, frame.budget_bytes)}[/]",
+                f"{_mib(r.used_bytes)}+{_mib(r.reserved_bytes)}", str(r.running), str(r.waiting),
                 str(r.preemptions), str(r.generated_tokens), f"{r.tokens_per_s:.0f}")
         self._live.update(table, refresh=False)
 
