@@ -326,12 +326,12 @@ def cancel_close_at_exit(obj: MemInfoTracker) -> None:
             atexit.unregister(_close_all)
 
 
-def _close_all() -> None:
+def _close_all(join: bool = True) -> None:
     with _to_close_lock:
         objs = list(_to_close.values())
     for obj in objs:
         try:
-            obj.close()
+            obj._close(join)
         except Exception:  # keep closing the others; exit must not fail on clean-up
             log.exception("kvcached: closing %r at exit failed", obj)
 
@@ -343,7 +343,7 @@ def _make_handler(previous: object) -> Callable[[int, object], None]:
         if callable(previous):
             previous(signum, frame)
             return
-        _close_all()
+        _close_all(join=False)  # the thread interrupted may hold a lock its watcher waits for
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
@@ -855,7 +855,9 @@ class MemInfoTracker:
         self._shadow_raw = bytearray(content)
         self._shadow = memoryview(self._shadow_raw).cast("q")
         self._detached: str | None = None  # why the file no longer holds the segment
-        self._write_lock = threading.Lock()  # every write of the file by this process
+        # Every write of the file by this process. Re-entrant: a signal handler may close the
+        # tracker while its thread is inside a write (See Note [Signals and clean-up]).
+        self._write_lock = threading.RLock()
         self._limit_lock = threading.Lock()
         self._close_lock = threading.RLock()  # re-entered by a signal handler
         self._apply: ApplyLimit | None = None
@@ -1142,6 +1144,9 @@ class MemInfoTracker:
         Waits for a limit callback in progress: do not call it while holding a lock the callback
         takes. A forked child that inherited this object leaves its parent's segment alone.
         """
+        self._close(join=True)
+
+    def _close(self, join: bool) -> None:
         with self._close_lock:
             if self._closed:
                 return
@@ -1150,7 +1155,7 @@ class MemInfoTracker:
             if os.getpid() != self._identity[0]:
                 return
             self._wake.set()
-            if threading.current_thread() is not self._thread:
+            if join and threading.current_thread() is not self._thread:
                 self._thread.join()
             try:
                 if os.stat(self.path).st_ino == self._ino:
@@ -1260,7 +1265,9 @@ def _status_code(status: str) -> int:
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # close() unlinks the segment; atexit runs it at a normal exit, including one by an uncaught
 # KeyboardInterrupt. A signal whose previous disposition is SIG_DFL would kill the process
-# without atexit (SIGTERM), so the handler closes every tracker and budget handle, restores
+# without atexit (SIGTERM), so the handler closes every tracker (without joining its thread:
+# the main thread the handler interrupted may hold the write lock the thread waits for, and the
+# process dies next anyway; the write lock is re-entrant for the same reason), restores
 # SIG_DFL and re-sends the signal: the process still dies of it, with the usual exit status. A
 # previous Python handler (SIGINT's default_int_handler, a server's own) is called instead and
 # clean-up is left to the exit it leads to: unlinking then would hide a process that catches

@@ -367,6 +367,13 @@ def test_request_limit_writes_only_what_a_segment_holds(shared_tracker, limit, r
                    and NO_LIMIT <= int(limit) <= I64_MAX)
     valid_revision = revision is None or (not isinstance(revision, (bool, float))
                                           and 0 <= int(revision) <= I64_MAX)
+    last = read_segment(shared_tracker.name)
+    if valid_limit and valid_revision and revision is None and max(
+            last.limit_revision, last.request_revision) == I64_MAX:
+        with pytest.raises(KVCachedError, match="no next revision"):
+            request_limit(shared_tracker.name, limit, revision)
+        assert _request_block(path) == before
+        return
     if valid_limit and valid_revision:
         request = request_limit(shared_tracker.name, limit, revision)
         snap = read_segment(shared_tracker.name)
