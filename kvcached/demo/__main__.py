@@ -38,7 +38,8 @@ def _phase_seconds(text: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kvcached.demo", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-        description="Two models share one device's KV memory under a global budget; the memory follows the load.")
+        description="Two models share one device's KV memory under a global budget; the memory follows the load. "
+                    "About 30 s on a 2-core CPU (host backend); --quick takes about 20 s.")
     parser.add_argument("--device", default=None,
                         help="cpu, cuda or cuda:N (default: CUDA if usable, else cpu: the host backend)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="PATH",

@@ -22,15 +22,21 @@ def write_png(record: dict, path: str) -> None:
     for axis in (mem, rate):
         for i, phase in enumerate(record["phases"]):
             axis.axvspan(phase["start_s"], phase["end_s"], color=PHASE_SHADES[i % 2], zorder=0)
-    for i, phase in enumerate(record["phases"]):
-        mem.text((phase["start_s"] + phase["end_s"]) / 2, 1.01, phase["label"], transform=mem.get_xaxis_transform(),
-                 ha="center", va="bottom", fontsize=10, fontweight="bold")
+    names = [instance["name"] for instance in record["instances"]]
+    for phase in record["phases"]:
+        middle = (phase["start_s"] + phase["end_s"]) / 2
+        mem.text(middle, 1.06, phase["label"], transform=mem.get_xaxis_transform(), ha="center", va="bottom",
+                 fontsize=10, fontweight="bold")
+        clients = ", ".join(f"{name} {round(share * record['workload']['clients'])}"
+                            for name, share in zip(names, phase["share"]))
+        mem.text(middle, 1.01, f"clients: {clients}", transform=mem.get_xaxis_transform(), ha="center",
+                 va="bottom", fontsize=8, color="0.3")
 
     for i, instance in enumerate(record["instances"]):
         color = COLORS[i % len(COLORS)]
         mapped = [s["instances"][i]["mapped_bytes"] / MIB for s in samples]
         live = [s["instances"][i]["used_bytes"] / MIB for s in samples]
-        mem.plot(t, mapped, color=color, lw=2.2, label=f"{instance['name']} ({instance['model']}): mapped")
+        mem.plot(t, mapped, color=color, lw=2.2, label=f"{instance['name']} ({instance['preset']} model): mapped")
         mem.fill_between(t, live, color=color, alpha=0.15, lw=0, label=f"{instance['name']}: in pages with live blocks")
         rate.plot(t, [s["instances"][i]["tokens_per_s"] for s in samples], color=color, lw=1.8,
                   label=f"{instance['name']}: tokens/s")
@@ -41,7 +47,7 @@ def write_png(record: dict, path: str) -> None:
     mem.plot(t, [s["held_bytes"] / MIB for s in samples], color="0.35", lw=1.2, ls=":",
              label="both together (held in the budget)")
     mem.axhline(budget_mib, color="black", lw=1.5, ls="--")
-    mem.text(0.003, budget_mib, f" global budget {budget_mib:.0f} MiB", transform=mem.get_yaxis_transform(),
+    mem.text(0.003, budget_mib, f" global budget {budget_mib:g} MiB", transform=mem.get_yaxis_transform(),
              va="bottom", ha="left", fontsize=9)
     mem.set_ylim(0, budget_mib * 1.18)
     mem.set_ylabel("KV cache memory mapped (MiB)")
@@ -49,7 +55,7 @@ def write_png(record: dict, path: str) -> None:
     mem.grid(axis="y", alpha=0.3)
     where = "the CPU (host backend)" if record["device"] == "cpu" else record["device"]
     mem.set_title(f"Two models on {where} under one global KV budget of {budget_mib:g} MiB: "
-                  "the memory follows the load", pad=22, fontsize=12)
+                  "the memory follows the load", pad=34, fontsize=12)
     rate.set_ylabel("tokens generated/s")
     rate.set_xlabel("time since the first phase began (s)")
     rate.set_ylim(bottom=0)

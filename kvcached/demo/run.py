@@ -92,6 +92,11 @@ class _Instance:
             self.clients = clients
 
     def stop(self) -> None:
+        """Ask the instance to shut down; one still building its model is terminated (SIGTERM:
+        kvcached closes its segment and budget handle on the way out)."""
+        if not self.info:
+            self.process.terminate()
+            return
         try:
             self.conn.send(("stop", None))
         except OSError:
@@ -240,7 +245,7 @@ def run(options: Options) -> int:
             _drive(plan, instances, recorder, view, budget_bytes, holding=False)
         record = {"device": options.device, "budget": {"name": tag, "bytes": budget_bytes},
                   "workload": asdict(workload),
-                  "instances": [{"name": i.spec.name, "model": f"{i.spec.family} {workload.preset}", **i.info}
+                  "instances": [{"name": i.spec.name, "family": i.spec.family, "preset": workload.preset, **i.info}
                                 for i in instances],
                   "phases": [asdict(phase) for phase in plan], "samples": recorder.samples}
         _write(record, options.out_png)
