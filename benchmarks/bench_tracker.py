@@ -55,9 +55,9 @@ def bench_hot_path() -> None:
     name = f"bench-{uuid.uuid4().hex[:8]}"
     with Budget.open(name, budget_bytes=1 << 40) as budget:
         cycle = best_ns("b.try_acquire(2 << 20); b.release(2 << 20)", {"b": budget}, 5_000)
-        row("budget try_acquire + release", f"{cycle / 1000:.1f} us", "(two flocks each)")
+        row("budget try_acquire + release", f"{cycle / 1000:.1f} us", "(two flocks, two preads, two pwrites each)")
         free = best_ns("f()", {"f": budget.free_bytes}, 200_000)
-        row("budget free_bytes()", f"{free:.0f} ns", "(lock-free: two loads)")
+        row("budget free_bytes()", f"{free:.0f} ns", "(lock-free: one pread)")
     delete_budget(name, force=True)
 
 

@@ -6,7 +6,9 @@ whoever needs pages takes them from the common budget and gives them back when t
 
 Why a file under /dev/shm with flock, and not a lock-free counter: Python has no atomic
 compare-and-swap on shared memory, and the budget is consulted once per *batch* of page maps (a
-page map costs ~30 µs on the GPU), so two flock calls (~2 µs) per acquisition are cheap enough.
+page map costs ~30 µs on the GPU), so two flock calls, two preads and two pwrites per acquisition
+are cheap enough. Why pread/pwrite and not a mapping: a holder of a mapping dies of SIGBUS once
+another program truncates the file; with pread it reports a broken budget instead.
 Why per-holder slots and not one counter: a holder killed by SIGKILL cannot give its share back;
 its slot names it (pid, start time, pid namespace, heartbeat), so the next acquirer that finds the
 budget short, or ``kvctl gc``, sees the process is gone and takes the slot's bytes back.
@@ -60,7 +62,6 @@ from __future__ import annotations
 import atexit
 import fcntl
 import math
-import mmap
 import os
 import struct
 import threading
@@ -74,6 +75,7 @@ from .mem_info_tracker import (
     I64_MAX,
     SHM_DIR,
     create_exclusive,
+    log,
     own_identity,
     owner_alive,
     validate_name,
@@ -95,7 +97,9 @@ STALE_AFTER_S = 10.0
 MIN_STALE_AFTER_S = 0.5
 
 _HEADER = struct.Struct("=4sI7q256s")
+_HEAD = struct.Struct("=4sI3q")  # magic, version, segment_bytes, budget_bytes, held_bytes
 _SLOT = struct.Struct("=6q")
+_WORD = struct.Struct("=q")
 _W_BUDGET, _W_HELD, _W_NUM_SLOTS, _W_RECOVERED, _W_STALE = 2, 3, 4, 6, 7
 _SLOT_PID, _SLOT_START, _SLOT_NS, _SLOT_HELD, _SLOT_TOKEN, _SLOT_HEARTBEAT = range(6)
 
@@ -143,8 +147,22 @@ def _slot_dead(pid: int, start: int, pid_ns: int, heartbeat_ns: int, stale_after
     return not alive
 
 
+class _BrokenBudget(KVCachedError):
+    """The file is no budget of this version (any more): truncated or overwritten."""
+
+
+_Slot = tuple[int, int, int, int, int, int]  # pid, start_time, pid_ns, held, token, heartbeat
+_Identity = tuple[int, int, int, int]  # token, pid, start_time, pid_ns: who holds a slot
+
+
+def _identity(slot: _Slot) -> _Identity:
+    return slot[_SLOT_TOKEN], slot[_SLOT_PID], slot[_SLOT_START], slot[_SLOT_NS]
+
+
 class _Segment:
-    """An open budget file: fd, mapping, int64 view. Callers hold its flock to change it."""
+    """An open budget file, read with pread and written with pwrite (never mapped: a mapping of a
+    file another program truncates faults, see Note [A segment changed by another process] in
+    mem_info_tracker). Callers hold its flock to change it."""
 
     def __init__(self, name: str, path: str) -> None:
         self.name, self.path = name, path
@@ -155,18 +173,10 @@ class _Segment:
                 f"no budget named {name!r} ({path} does not exist); create it with "
                 f"`kvctl budget {name} SIZE` or Budget.open({name!r}, budget_bytes=...)") from None
         try:
-            size = os.fstat(self.fd).st_size
-            if size < SEGMENT_BYTES:
-                raise KVCachedError(f"{path} is {size} bytes: not a kvcached budget of version "
-                                    f"{VERSION} ({SEGMENT_BYTES} bytes)")
-            self.mm = mmap.mmap(self.fd, SEGMENT_BYTES)
-            if self.mm[:4] != MAGIC or struct.unpack_from("=I", self.mm, 4)[0] != VERSION:
-                self.mm.close()
-                raise KVCachedError(f"{path} is not a kvcached budget of layout version {VERSION}")
+            self.head()
         except BaseException:
             os.close(self.fd)
             raise
-        self.words = memoryview(self.mm).cast("q")
 
     def lock(self, exclusive: bool = True) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
@@ -174,74 +184,100 @@ class _Segment:
     def unlock(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
+    def _pread(self, nbytes: int, offset: int) -> bytes:
+        raw = os.pread(self.fd, nbytes, offset)
+        if len(raw) < nbytes:
+            raise _BrokenBudget(
+                f"{self.path} is no budget any more: another program truncated it; remove it "
+                f"(kvctl budget {self.name} --delete --force), create it again and restart its "
+                "holders")
+        return raw
+
+    def head(self) -> tuple[int, int]:
+        """(budget_bytes, held_bytes), after checking the file still is a budget of this
+        layout version. One pread."""
+        magic, version, _, budget, held = _HEAD.unpack(self._pread(_HEAD.size, 0))
+        if magic != MAGIC or version != VERSION:
+            raise _BrokenBudget(
+                f"{self.path} is not a kvcached budget of layout version {VERSION} (magic "
+                f"{magic!r}, version {version}); remove it (kvctl budget {self.name} --delete "
+                "--force) and create it again")
+        return budget, held
+
+    def word(self, index: int) -> int:
+        return _WORD.unpack(self._pread(8, index * 8))[0]
+
+    def write(self, index: int, *values: int) -> None:
+        """Store ``values`` from word ``index`` on: one pwrite."""
+        os.pwrite(self.fd, struct.pack(f"={len(values)}q", *values), index * 8)
+
+    def slot(self, slot: int) -> _Slot:
+        return _SLOT.unpack(self._pread(SLOT_BYTES, SLOTS_OFFSET + slot * SLOT_BYTES))
+
+    def slots(self) -> list[_Slot]:
+        """Every slot: one pread of the table."""
+        raw = self._pread(NUM_SLOTS * SLOT_BYTES, SLOTS_OFFSET)
+        return [_SLOT.unpack_from(raw, i * SLOT_BYTES) for i in range(NUM_SLOTS)]
+
     def stale_after_ns(self) -> int:
-        value = self.words[_W_STALE]
+        value = self.word(_W_STALE)
         return value if value > 0 else int(STALE_AFTER_S * 1e9)
 
-    def identity(self, slot: int) -> tuple[int, int, int, int]:
-        """(token, pid, start_time, pid_ns) of a slot: who holds it."""
-        base, words = _slot_word(slot, 0), self.words
-        return (words[base + _SLOT_TOKEN], words[base + _SLOT_PID], words[base + _SLOT_START],
-                words[base + _SLOT_NS])
-
-    def find_dead(self) -> list[tuple[int, tuple[int, int, int, int], bool]]:
+    def find_dead(self) -> list[tuple[int, _Identity, bool]]:
         """(slot, identity, judged by heartbeat) of every holder found dead. Reads /proc, so it
-        runs without the flock, on plain reads of the slots; ``reclaim`` checks each again under
-        the lock. O(slots). See Note [No /proc under the flock]."""
-        words, now, stale = self.words, time.time_ns(), self.stale_after_ns()
-        dead = []
-        for slot in range(NUM_SLOTS):
-            ident = self.identity(slot)
-            _, pid, start, pid_ns = ident
+        runs without the flock; ``reclaim`` checks each again under the lock. O(slots). See
+        Note [No /proc under the flock]."""
+        now, stale, dead = time.time_ns(), self.stale_after_ns(), []
+        for index, slot in enumerate(self.slots()):
+            pid, start, pid_ns = slot[_SLOT_PID], slot[_SLOT_START], slot[_SLOT_NS]
             if not pid:
                 continue
             alive = owner_alive(pid, start, pid_ns)
             if alive is None:  # another pid namespace: judged by the heartbeat
-                if now - words[_slot_word(slot, _SLOT_HEARTBEAT)] > stale:
-                    dead.append((slot, ident, True))
+                if now - slot[_SLOT_HEARTBEAT] > stale:
+                    dead.append((index, _identity(slot), True))
             elif not alive:
-                dead.append((slot, ident, False))
+                dead.append((index, _identity(slot), False))
         return dead
 
-    def reclaim(self, dead: list[tuple[int, tuple[int, int, int, int], bool]]) -> int:
+    def reclaim(self, dead: list[tuple[int, _Identity, bool]]) -> int:
         """Free the slots ``find_dead`` found that still hold the same handle (and, judged by
         heartbeat, still have not beaten); recount the total. Assumes LOCK_EX. The bytes taken
         back."""
-        words, now, stale, recovered = self.words, time.time_ns(), self.stale_after_ns(), 0
-        for slot, ident, by_heartbeat in dead:
-            if self.identity(slot) != ident:
+        now, stale, recovered = time.time_ns(), self.stale_after_ns(), 0
+        slots = self.slots()
+        for index, ident, by_heartbeat in dead:
+            slot = slots[index]
+            if _identity(slot) != ident:
                 continue  # freed or claimed anew since the scan
-            if by_heartbeat and now - words[_slot_word(slot, _SLOT_HEARTBEAT)] <= stale:
+            if by_heartbeat and now - slot[_SLOT_HEARTBEAT] <= stale:
                 continue  # it beat since the scan
-            recovered += words[_slot_word(slot, _SLOT_HELD)]
-            self.clear_slot(slot)
-        words[_W_RECOVERED] += recovered
-        self.recount()
+            recovered += slot[_SLOT_HELD]
+            self.clear_slot(index)
+            slots[index] = (0,) * 6
+        self.write(_W_RECOVERED, self.word(_W_RECOVERED) + recovered)
+        self.recount(slots)
         return recovered
 
-    def recount(self) -> None:
+    def recount(self, slots: list[_Slot] | None = None) -> None:
         """Set the total to the sum of the slots. Assumes LOCK_EX. O(slots). See
         Note [The total is the sum of the slots]."""
-        words = self.words
-        words[_W_HELD] = sum(words[_slot_word(slot, _SLOT_HELD)] for slot in range(NUM_SLOTS))
+        self.write(_W_HELD, sum(slot[_SLOT_HELD] for slot in (slots or self.slots())))
 
     def clear_slot(self, slot: int) -> None:
-        base = _slot_word(slot, 0)
-        for field in range(6):
-            self.words[base + field] = 0
+        self.write(_slot_word(slot, 0), *(0,) * 6)
 
     def snapshot(self) -> BudgetSnapshot:
         """The budget, copied under LOCK_SH and judged (/proc) after the unlock."""
         self.lock(exclusive=False)
         try:
-            raw = self.mm[:SEGMENT_BYTES]
+            self.head()
+            raw = self._pread(SEGMENT_BYTES, 0)
         finally:
             self.unlock()
         return _parse(self.name, self.path, raw)
 
     def close(self) -> None:
-        self.words.release()
-        self.mm.close()
         os.close(self.fd)
 
 
@@ -326,9 +362,10 @@ def set_budget(name: str, budget_bytes: int, stale_after_s: float | None = None)
     try:
         seg.lock()
         try:
-            seg.words[_W_BUDGET] = budget_bytes
+            seg.head()
+            seg.write(_W_BUDGET, budget_bytes)
             if stale_ns is not None:
-                seg.words[_W_STALE] = stale_ns
+                seg.write(_W_STALE, stale_ns)
         finally:
             seg.unlock()
         return seg.snapshot()
@@ -443,7 +480,10 @@ class _Heartbeat:
                     return
                 now = time.time_ns()
                 for handle in self._handles:
-                    handle._beat(now)
+                    try:
+                        handle._beat(now)
+                    except (OSError, KVCachedError):
+                        pass  # a broken file: its holder hears of it at its next acquire
                 interval_s = min(h._beat_every_s for h in self._handles)
             self._wake.wait(interval_s)
             self._wake.clear()
@@ -472,7 +512,7 @@ class Budget:
 
     Lock contract: public methods take ``self._lock`` (threads of this process) and then the
     segment's flock (other processes); private ones assume both, except ``_beat`` (the heartbeat
-    thread's one store) and ``free_bytes`` (two loads), which take neither.
+    thread's one pwrite) and ``free_bytes`` (one pread), which take neither.
 
     Use ``Budget.open``; acquire in batches (several pages per call) on the allocator's path.
     A handle belongs to the process that opened it: a forked child must open its own (it would
@@ -489,6 +529,7 @@ class Budget:
         self._next_reclaim = 0.0
         self._closed = False
         self._pid = _pid_now[0]
+        self._broken = False  # the file stopped being a budget (warned once)
         self._beat_every_s = segment.stale_after_ns() / 8e9
         atexit.register(self.close)
         _heartbeat.add(self)
@@ -533,19 +574,17 @@ class Budget:
         pid, start, pid_ns = own_identity()
         seg.lock()
         try:
+            seg.head()
             if dead:
                 seg.reclaim(dead)
-            seg.recount()  # heals a total left by a holder killed mid-update
-            words = seg.words
-            for slot in range(NUM_SLOTS):
-                base = _slot_word(slot, 0)
-                if words[base + _SLOT_PID] == 0:
-                    # pid last: a lock-free reader that sees it sees the rest
-                    for field, value in ((_SLOT_START, start), (_SLOT_NS, pid_ns),
-                                         (_SLOT_HELD, 0), (_SLOT_TOKEN, token),
-                                         (_SLOT_HEARTBEAT, time.time_ns()), (_SLOT_PID, pid)):
-                        words[base + field] = value
-                    return slot
+            slots = seg.slots()
+            seg.recount(slots)  # heals a total left by a holder killed mid-update
+            for index, slot in enumerate(slots):
+                if slot[_SLOT_PID] == 0:
+                    base = _slot_word(index, 0)
+                    seg.write(base + _SLOT_START, start, pid_ns, 0, token, time.time_ns())
+                    seg.write(base + _SLOT_PID, pid)  # last: a lock-free reader that sees it
+                    return index                      # sees the rest
             return None
         finally:
             seg.unlock()
@@ -559,35 +598,40 @@ class Budget:
         """Bytes the budget has left now (``budget_bytes - held_bytes``, 0 when over it), for
         every holder together.
 
-        A lock-free read of two words of the shared segment: no flock, no system call (~0.2 µs),
-        so a scheduler can consult it on every ``available_size()``. It is a snapshot: another
-        holder may take or give back bytes right after; a holder killed between its two writes
-        may make it low until the next reclaim (Note [The total is the sum of the slots]).
+        A lock-free read: one 16-byte pread of the shared segment, no flock (~1 µs), so a
+        scheduler can consult it on every ``available_size()``. It is a snapshot: another holder
+        may take or give back bytes right after; a holder killed between its two writes may make
+        it low until the next reclaim (Note [The total is the sum of the slots]). 0 if another
+        program truncated the file (``try_acquire`` then says so).
 
         Raises:
             KVCachedClosedError: the handle is closed.
         """
-        try:
-            words = self._seg.words
-            free = words[_W_BUDGET] - words[_W_HELD]
-        except ValueError:  # the view was released by close()
-            free = None
-        if free is None or self._closed:
-            raise KVCachedClosedError(f"budget handle {self.name!r} is closed; open a new one")
-        return max(0, free)
+        if not self._closed:
+            try:
+                raw = os.pread(self._seg.fd, 16, _W_BUDGET * 8)
+            except OSError:  # closed meanwhile
+                raw = b""
+            if not self._closed:
+                if len(raw) < 16:
+                    return 0
+                budget, held = struct.unpack("=2q", raw)
+                return max(0, budget - held)
+        raise KVCachedClosedError(f"budget handle {self.name!r} is closed; open a new one")
 
     def try_acquire(self, nbytes: int) -> bool:
         """Take ``nbytes`` from the budget if that keeps the total within it; True if taken.
 
         Never raises for "not enough": returns False and changes nothing. When short, first
         reclaims the shares of dead holders (at most every RECLAIM_EVERY_S per handle), reading
-        /proc with no flock held. Cost: two flock calls (~2 µs); a scan adds a /proc read per
-        holder and two more flock calls.
+        /proc with no flock held. Cost: two flock calls, two preads and two pwrites (~5 µs); a
+        scan adds a /proc read per holder and two more flock calls.
 
         Raises:
             ValueError: ``nbytes`` outside [0, I64_MAX] or not an int.
-            KVCachedError: the handle is closed, or its slot was taken away (budget deleted and
-                recreated, or forcibly reset).
+            KVCachedError: the handle is closed, its slot was taken away (budget deleted and
+                recreated, or forcibly reset), or another program truncated or overwrote the
+                budget file. Nothing was taken.
         """
         nbytes = self._check_amount(nbytes)
         if nbytes == 0:
@@ -608,19 +652,25 @@ class Budget:
         seg = self._seg
         seg.lock()
         try:
-            self._check_slot()
+            seg.head()
             if dead:
                 seg.reclaim(dead)
-            words = seg.words
-            if words[_W_HELD] + nbytes > words[_W_BUDGET]:
+            budget, held = seg.head()
+            slot = seg.slot(self._slot)
+            self._check_slot(slot)
+            if held + nbytes > budget:
                 return False
-            self._add(nbytes)
+            self._add(nbytes, slot, held)
             return True
         finally:
             seg.unlock()
 
     def release(self, nbytes: int) -> None:
         """Give ``nbytes`` back to the budget.
+
+        If another program truncated or overwrote the budget file, there is no budget to give
+        back to: the bytes are dropped from this handle with one warning, and nothing raises
+        (the caller is unmapping memory, which must not fail for it).
 
         Raises:
             ValueError: ``nbytes`` outside [0, I64_MAX], not an int, or more than this handle
@@ -635,31 +685,37 @@ class Budget:
             return
         with self._lock:
             self._check_open()
-            self._seg.lock()
+            seg = self._seg
+            seg.lock()
             try:
-                self._check_slot()
-                self._add(-nbytes)
+                _, held = seg.head()
+                slot = seg.slot(self._slot)
+                self._check_slot(slot)
+                self._add(-nbytes, slot, held)
+            except _BrokenBudget as exc:
+                if not self._broken:
+                    log.warning("kvcached: %s; this process stops counting against it", exc)
+                self._broken = True
+                self._held -= nbytes
             finally:
-                self._seg.unlock()
+                seg.unlock()
 
-    def _add(self, nbytes: int) -> None:
-        """Assumes both locks. The slot first, the total second: See Note [The total is the sum
-        of the slots]."""
-        words = self._seg.words
-        base = _slot_word(self._slot, 0)
-        words[base + _SLOT_HELD] += nbytes
+    def _add(self, nbytes: int, slot: _Slot, held: int) -> None:
+        """Assumes both locks; ``slot`` and ``held`` as just read under them. The slot first,
+        the total second: See Note [The total is the sum of the slots]."""
+        seg = self._seg
+        seg.write(_slot_word(self._slot, _SLOT_HELD), slot[_SLOT_HELD] + nbytes, self._token,
+                  time.time_ns())  # held, token, heartbeat
         if _between_slot_and_total is not None:
             _between_slot_and_total()
-        words[_W_HELD] += nbytes
-        words[base + _SLOT_HEARTBEAT] = time.time_ns()
+        seg.write(_W_HELD, held + nbytes)
         self._held += nbytes
 
     def _beat(self, now_ns: int) -> None:
-        """The heartbeat thread's store into this handle's slot (while it is still ours)."""
-        words = self._seg.words
+        """The heartbeat thread's pwrite into this handle's slot (while it is still ours)."""
         base = _slot_word(self._slot, 0)
-        if words[base + _SLOT_TOKEN] == self._token:
-            words[base + _SLOT_HEARTBEAT] = now_ns
+        if self._seg.word(base + _SLOT_TOKEN) == self._token:
+            self._seg.write(base + _SLOT_HEARTBEAT, now_ns)
 
     @staticmethod
     def _check_amount(nbytes: object) -> int:
@@ -674,8 +730,8 @@ class Budget:
                 f"forked child {_pid_now[0]}, which shares its file lock; open the budget again "
                 "in the child")
 
-    def _check_slot(self) -> None:
-        if self._seg.words[_slot_word(self._slot, _SLOT_TOKEN)] != self._token:
+    def _check_slot(self, slot: _Slot) -> None:
+        if slot[_SLOT_TOKEN] != self._token:
             raise KVCachedError(
                 f"budget {self.name!r}: this handle's slot {self._slot} was taken away (the "
                 "budget was deleted or reset while in use, or this process's heartbeat stopped "
@@ -720,11 +776,14 @@ class Budget:
             if _pid_now[0] == self._pid:
                 seg.lock()
                 try:
-                    base = _slot_word(self._slot, 0)
-                    if seg.words[base + _SLOT_TOKEN] == self._token:
+                    _, held = seg.head()
+                    slot = seg.slot(self._slot)
+                    if slot[_SLOT_TOKEN] == self._token:
                         # The total first: a kill between the two leaves a slot to reclaim.
-                        seg.words[_W_HELD] -= seg.words[base + _SLOT_HELD]
+                        seg.write(_W_HELD, held - slot[_SLOT_HELD])
                         seg.clear_slot(self._slot)
+                except _BrokenBudget:
+                    pass  # nothing left to give back to
                 finally:
                     seg.unlock()
             self._held = 0
@@ -752,9 +811,9 @@ class Budget:
 # the difference lasts until the next reclaim, and is never lost. Before the recount the total
 # can only err towards the dead holder's share, whose memory the kernel gave back when it died:
 # the live holders' sum stays within the budget. free_bytes() reads budget and total without the
-# lock: two aligned 8-byte loads, each a value some holder wrote; the pair may straddle one
-# acquisition, which a scheduler's admission check tolerates anyway (the allocation itself is
-# checked under the lock).
+# lock, with one 16-byte pread: the pair may straddle an acquisition by another holder, which a
+# scheduler's admission check tolerates anyway (the acquisition itself is checked under the
+# lock).
 #
 # Note [Slot heartbeats]
 # ~~~~~~~~~~~~~~~~~~~~~~

@@ -277,6 +277,26 @@ def role_budget_die_midway(args: argparse.Namespace) -> None:
     print("SURVIVED", flush=True)
 
 
+def role_budget_outlive(args: argparse.Namespace) -> None:
+    """Hold some of a budget; after the test changed the file (stdin line), use the handle and
+    report what each call did."""
+    from kvcached.errors import KVCachedError
+
+    handle = Budget.open(args.name)
+    assert handle.try_acquire(args.bytes)
+    print("READY", flush=True)
+    sys.stdin.readline()
+    report = {"free_bytes": handle.free_bytes()}
+    try:
+        report["acquired"] = handle.try_acquire(1)
+    except KVCachedError as exc:
+        report["acquire_error"] = str(exc)
+    handle.release(args.bytes)
+    report["held_after_release"] = handle.held_bytes
+    handle.close()
+    print(json.dumps(report), flush=True)
+
+
 def role_budget_hog(args: argparse.Namespace) -> None:
     budget = Budget.open(args.name)
     if not budget.try_acquire(args.bytes):
@@ -318,6 +338,10 @@ def main() -> None:
     p.add_argument("op", choices=["acquire", "release"])
     p.add_argument("amount", type=int)
     p.set_defaults(run=role_budget_die_midway)
+    p = sub.add_parser("budget-outlive")
+    p.add_argument("name")
+    p.add_argument("bytes", type=int)
+    p.set_defaults(run=role_budget_outlive)
     p = sub.add_parser("budget-hog")
     p.add_argument("name")
     p.add_argument("bytes", type=int)

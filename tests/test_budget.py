@@ -442,3 +442,29 @@ def test_no_proc_read_while_the_flock_is_held(name, monkeypatch):
         for h in handles:
             h.close()
     assert held_during == []
+
+
+# -- a budget file changed by another program ----------------------------------------------------
+
+@pytest.mark.parametrize("change", ["truncate", "scribble"])
+def test_holder_survives_its_budget_file_being_truncated_or_overwritten(name, change):
+    """The holder reads and writes the file with pread/pwrite: a truncated file is an error it
+    reports (it died of SIGBUS before), an overwritten one too; release and close still work."""
+    set_budget(name, 8 * MiB)
+    path = kb.budget_path(name)
+    with Proc("budget-outlive", name, str(2 * MiB)) as holder:
+        if change == "truncate":
+            os.truncate(path, 0)
+        else:
+            with open(path, "r+b") as f:
+                f.write(b"\x1b[2J")
+        holder.send("go")
+        line = holder.readline(timeout_s=30)
+        status, _, err = holder.finish()
+    assert status == 0, err
+    report = json.loads(line)
+    assert report["free_bytes"] == (0 if change == "truncate" else report["free_bytes"])
+    assert "no budget any more" in report.get("acquire_error", "") or (
+        "not a kvcached budget" in report.get("acquire_error", ""))
+    assert report["held_after_release"] == 0
+    assert err.count("stops counting against it") == 1  # one warning
