@@ -131,7 +131,7 @@ def _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geom
 def _triton_available() -> bool:
     global _triton_missing_logged
     try:
-        import triton  # noqa: F401
+        import triton  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
     except ImportError:
         if not _triton_missing_logged:
             logger.warning("triton is not installed: paged decode on CUDA runs the (slower) torch path")

@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-not-found, unused-ignore]
+import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from ._args import CacheGeometry
 

@@ -6,8 +6,8 @@ Imported only when a CUDA cache is written: the CPU torch wheel has no triton.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-not-found, unused-ignore]
+import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from ._args import CacheGeometry
 from .triton_decode import device_of
