@@ -253,6 +253,22 @@ def test_bad_construction_is_refused():
         build_model("llama", preset="huge")
 
 
+def test_abort_frees_blocks_and_leaves_the_others_intact(elastic):
+    """Aborting a running and a waiting request frees their blocks; the rest still match generate."""
+    cache = elastic("llama")
+    loop = ServingLoop(serving_model("llama"), cache, max_running=2)
+    requests = [(0, prompt, 12) for _, prompt, _ in workload(seed=21, count=4)]
+    ids = [loop.add_request(prompt, n) for _, prompt, n in requests]
+    loop.step()
+    assert loop.abort(ids[0]) and loop.abort(ids[3])
+    assert not loop.abort(ids[0]) and not loop.abort(999)
+    results = loop.run_until_done()
+    assert sorted(results) == [ids[1], ids[2]]
+    for index in (1, 2):
+        assert results[ids[index]] == expected("llama", tuple(requests[index][1]), 12)
+    assert cache.manager.stats()["allocated"] == 0
+
+
 def test_stall_is_reported_not_hung(elastic):
     """A limit below what one request needs: run_until_done raises instead of spinning forever."""
     cache = elastic("llama")

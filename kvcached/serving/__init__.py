@@ -8,7 +8,7 @@
   ``StaticKVCache(...)``: a torch slab and a free list, the baseline. Both are PagedKVCache.
 - ``ServingLoop(model, cache, max_batch_tokens=, max_running=)``: ``add_request(prompt_ids,
   max_new_tokens) -> id``, ``step() -> finished Requests``, ``run_until_done() -> {id: tokens}``,
-  ``has_work()``, ``stats`` (LoopStats: running, waiting, finished, preemptions,
+  ``has_work()``, ``abort(id)``, ``stats`` (LoopStats: running, waiting, finished, preemptions,
   generated_tokens, tokens_per_s, ...).
 """
 

@@ -106,6 +106,18 @@ class ServingLoop:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def abort(self, request_id: int) -> bool:
+        """Drop a waiting or running request (its client left), freeing its blocks; False if it
+        is not here (finished, aborted or never added)."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.id == request_id:
+                    queue.remove(request)
+                    self._release(request)
+                    self.stats.running, self.stats.waiting = len(self.running), len(self.waiting)
+                    return True
+        return False
+
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, run the model once over the packed batch, append one greedy token to every

@@ -1,0 +1,400 @@
+"""Serving benchmark: the kvcached.serving loop over kvcached memory against the same loop over a
+static torch cache, transformers' own continuous batching as the anchor, and the elastic handover.
+
+    python benchmarks/bench_serve.py            # CUDA: Llama-3-8B-shaped model, bf16, batch 1-256
+    python benchmarks/bench_serve.py --quick    # tiny model on the CPU (the smoke test runs this)
+
+Prints three tables:
+1. decode step: median time of one decode step of `batch` requests (every request one new token,
+   contexts of --prompt tokens), static cache vs kvcached, and tokens/s = batch / step time;
+2. end to end: --requests requests of --prompt + --new tokens, greedy, tokens/s of the loop over
+   each cache and of ``model.generate_batch`` (transformers' paged cache with its built-in sdpa
+   attention, on the same weights) where this transformers runs it;
+3. handover: two processes, each serving the same model through the loop, share one global
+   budget; the load moves from one to the other and back. Times from the shift to the losing
+   instance having unmapped its memory, and to the receiving one having mapped most of the budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Setup:
+    device: str
+    preset: str
+    dtype: torch.dtype
+    batches: list[int]
+    prompt: int
+    steps: int
+    requests: int
+    new: int
+    page_bytes: int | None          # None: the default (KVCACHED_PAGE_SIZE_MB)
+    budget_pages: int
+    threads: int | None
+
+
+def setup_from(args) -> Setup:
+    if args.quick:
+        return Setup("cpu", "tiny", torch.float32, [1, 4], 8, 3, 4, 8, 64 << 10, 16, 1)
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    batches = [int(b) for b in args.batches.split(",")]
+    if cuda:
+        return Setup("cuda:0", "llama3-8b", torch.bfloat16, batches, args.prompt, args.steps, args.requests,
+                     args.new, None, args.budget_pages, None)
+    return Setup("cpu", "tiny", torch.float32, batches, args.prompt, args.steps, args.requests, args.new,
+                 64 << 10, args.budget_pages, 1)
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def prompts(count: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(count)]
+
+
+def blocks_for(requests: int, tokens: int) -> int:
+    return requests * -(-tokens // BLOCK_SIZE)
+
+
+def make_caches(model, setup: Setup, num_blocks: int):
+    from kvcached import init_kvcached
+    from kvcached.serving import ElasticKVCache, StaticKVCache
+
+    init_kvcached(device=setup.device, page_size_bytes=setup.page_bytes)
+    static = StaticKVCache(model.config, num_blocks, block_size=BLOCK_SIZE, dtype=setup.dtype, device=setup.device)
+    elastic = ElasticKVCache(model.config, num_blocks, block_size=BLOCK_SIZE, dtype=setup.dtype, device=setup.device)
+    return {"static": static, "kvcached": elastic}
+
+
+# -- 1. decode step ------------------------------------------------------------------------------
+
+def decode_step_times(model, cache, setup: Setup, batch: int) -> list[float]:
+    """Seconds of each of setup.steps decode steps of `batch` requests (after prefill, 2 warm-up)."""
+    from kvcached.serving import ServingLoop
+
+    warmup = 2
+    loop = ServingLoop(model, cache, max_batch_tokens=max(setup.prompt * batch, 1), max_running=batch)
+    for prompt in prompts(batch, setup.prompt, model.config.vocab_size, seed=batch):
+        loop.add_request(prompt, 1 + warmup + setup.steps)
+    while loop.stats.generated_tokens < batch:          # prefill: every request has its first token
+        loop.step()
+    for _ in range(warmup):
+        loop.step()
+    times = []
+    for _ in range(setup.steps):
+        sync(setup.device)
+        start = time.perf_counter()
+        loop.step()                                     # ends with the sampled tokens on the host
+        times.append(time.perf_counter() - start)
+    assert not loop.has_work(), loop.stats
+    return times
+
+
+def bench_decode(model, caches, setup: Setup) -> list[dict]:
+    rows = []
+    for batch in setup.batches:
+        row = {"batch": batch}
+        for name, cache in caches.items():
+            row[name] = statistics.median(decode_step_times(model, cache, setup, batch))
+        rows.append(row)
+        print(f"  batch {batch}: static {row['static'] * 1e3:.2f} ms, kvcached {row['kvcached'] * 1e3:.2f} ms",
+              flush=True)
+    return rows
+
+
+def print_decode(rows: list[dict]) -> None:
+    print("\n| batch | static ms/step | kvcached ms/step | kvcached/static | static tok/s | kvcached tok/s |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['batch']} | {r['static'] * 1e3:.2f} | {r['kvcached'] * 1e3:.2f} | "
+              f"{r['kvcached'] / r['static']:.3f} | {r['batch'] / r['static']:.0f} | {r['batch'] / r['kvcached']:.0f} |")
+
+
+# -- 2. end to end, with transformers' continuous batching as the anchor --------------------------
+
+def run_loop(model, cache, work: list[list[int]], new: int) -> tuple[float, dict]:
+    from kvcached.serving import ServingLoop
+
+    loop = ServingLoop(model, cache, max_batch_tokens=4096, max_running=len(work))
+    for prompt in work:
+        loop.add_request(prompt, new)
+    sync(str(next(model.parameters()).device))
+    start = time.perf_counter()
+    results = loop.run_until_done()
+    return time.perf_counter() - start, results
+
+
+def run_generate_batch(model, work: list[list[int]], new: int, setup: Setup) -> tuple[float | None, str]:
+    """transformers' continuous batching on the same weights with its built-in sdpa attention
+    (it accepts only its own attention names). Returns (seconds or None, note)."""
+    from transformers import GenerationConfig
+
+    from kvcached.serving import ATTENTION_NAME
+
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    kwargs = {}
+    if "continuous_batching_config" in inspect.signature(model.generate_batch).parameters:
+        from transformers import ContinuousBatchingConfig
+
+        sizing = {"num_blocks": blocks_for(len(work), setup.prompt + new) + 64, "max_batch_tokens": 4096}
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(**sizing)
+    model.set_attn_implementation("sdpa")
+    try:
+        model.generate_batch(work[:1], generation_config=config, **kwargs)     # warm-up, graphs if any
+        sync(setup.device)
+        start = time.perf_counter()
+        out = model.generate_batch(work, generation_config=config, **kwargs)
+        sync(setup.device)
+        seconds = time.perf_counter() - start
+        done = sum(len(o.generated_tokens) for o in out.values())
+        return seconds, f"transformers {_transformers_version()}, {done} tokens"
+    except Exception as exc:  # noqa: BLE001 -- reported in the table: the anchor is optional
+        return None, f"did not run: {type(exc).__name__}: {str(exc)[:120]}"
+    finally:
+        model.set_attn_implementation(ATTENTION_NAME)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def bench_end_to_end(model, caches, setup: Setup) -> list[tuple[str, float | None, str]]:
+    work = prompts(setup.requests, setup.prompt, model.config.vocab_size, seed=1)
+    tokens = setup.requests * setup.new
+    rows = []
+    outputs = {}
+    for name, cache in caches.items():
+        seconds, outputs[name] = run_loop(model, cache, work, setup.new)
+        rows.append((f"loop + {name}", tokens / seconds, f"{seconds:.2f} s"))
+    same = outputs["static"] == outputs["kvcached"]
+    rows.append(("(tokens identical, kvcached vs static)", None, str(same)))
+    seconds, note = run_generate_batch(model, work, setup.new, setup)
+    rows.append(("generate_batch (paged, sdpa)", tokens / seconds if seconds else None, note))
+    return rows
+
+
+def print_end_to_end(rows, setup: Setup) -> None:
+    print(f"\nend to end: {setup.requests} requests x ({setup.prompt} prompt + {setup.new} new) tokens, greedy")
+    print("| runner | new tokens/s | note |")
+    print("|---|---:|---|")
+    for name, rate, note in rows:
+        print(f"| {name} | {'' if rate is None else f'{rate:.0f}'} | {note} |")
+
+
+# -- 3. elastic handover between two instances -----------------------------------------------------
+
+@dataclass
+class Shared:
+    phase: object           # mp.Value("i"): which instance has the load (0 or 1; 2 none), -1 = stop
+    mapped: list            # mp.Value('q') per instance: bytes mapped
+    reached: list           # mp.Value('d') per instance: monotonic time its mapped memory first reached target
+    released: list          # mp.Value('d') per instance: monotonic time its mapped memory first fell to <= low
+    target: object          # mp.Value('q'): bytes a receiving instance must map
+    low: object             # mp.Value('q'): bytes a losing instance must be down to
+    ready: list             # mp.Event per instance
+
+
+def instance(index: int, setup: Setup, env: dict, shared: Shared, requests: int, prompt: int) -> None:
+    """One serving instance: take load while shared.phase names it, drop it (abort) otherwise."""
+    os.environ.update(env)
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    from kvcached import config, init_kvcached
+    from kvcached.serving import ElasticKVCache, ServingLoop, build_model
+
+    config.reload_settings()
+    model = build_model("llama", preset=setup.preset, dtype=setup.dtype, device=setup.device)
+    init_kvcached(device=setup.device, page_size_bytes=setup.page_bytes)
+    cache = ElasticKVCache(model.config, blocks_for(requests, prompt + 4096), block_size=BLOCK_SIZE, dtype=setup.dtype,
+                           device=setup.device)
+    loop = ServingLoop(model, cache, max_batch_tokens=4096, max_running=requests)
+    stop = threading.Event()
+
+    def sample() -> None:               # 0.2 ms resolution, independent of the step time
+        while not stop.is_set():
+            mapped = cache.mapped_bytes()
+            shared.mapped[index].value = mapped
+            now = time.monotonic()
+            if mapped >= shared.target.value and shared.reached[index].value == 0.0:
+                shared.reached[index].value = now
+            if mapped <= shared.low.value and shared.released[index].value == 0.0:
+                shared.released[index].value = now
+            time.sleep(0.0002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    shared.ready[index].set()
+    live: list[int] = []
+    work = prompts(requests, prompt, model.config.vocab_size, seed=index)
+    try:
+        while (phase := shared.phase.value) >= 0:
+            if phase == index and not live:
+                live = [loop.add_request(p, loop.max_tokens - prompt) for p in work]
+            elif phase != index and live:
+                for rid in live:
+                    loop.abort(rid)
+                live = []
+            if loop.has_work():
+                loop.step()
+            else:
+                time.sleep(0.0005)
+    finally:
+        stop.set()
+        sampler.join()
+        cache.close()
+
+
+def bench_handover(setup: Setup, shifts: int = 2) -> list[dict]:
+    from kvcached.budget import delete_budget, read_budget, set_budget
+
+    ctx = mp.get_context("spawn")
+    name = f"bench-serve-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    shared = Shared(ctx.Value("i", 2), [ctx.Value("q", 0) for _ in range(2)],
+                    [ctx.Value("d", 0.0) for _ in range(2)], [ctx.Value("d", 0.0) for _ in range(2)],
+                    ctx.Value("q", 1 << 62), ctx.Value("q", -1), [ctx.Event() for _ in range(2)])
+    page = _compound_page_bytes(setup)
+    budget = setup.budget_pages * page
+    set_budget(name, budget)
+    env = {"KVCACHED_GLOBAL_BUDGET": name, "KVCACHED_MIN_RESERVED_PAGES": "0", "KVCACHED_MAX_RESERVED_PAGES": "0",
+           "KVCACHED_TRACKER": "0", "KVCACHED_LAYOUT": "interleaved"}
+    # Each instance's load asks for about twice the budget: the one with the load takes it all.
+    per_request = 512 if setup.preset != "tiny" else 256
+    tokens_in_budget = budget // _token_bytes(setup)
+    requests = max(2, 2 * tokens_in_budget // per_request)
+    procs = [ctx.Process(target=instance, args=(i, setup, env, shared, requests, per_request)) for i in range(2)]
+    for p in procs:
+        p.start()
+    rows = []
+    try:
+        for i, p in enumerate(procs):
+            _wait(shared.ready[i].is_set, f"instance {i} to start", procs)
+        shared.target.value, shared.low.value = int(0.75 * budget), int(0.05 * budget)
+        shared.phase.value = 0
+        _wait(lambda: shared.reached[0].value > 0.0, "instance 0 taking the budget", procs, lambda: (
+            [m.value for m in shared.mapped], read_budget(name)))
+        for shift in range(shifts):
+            giver, taker = shift % 2, 1 - shift % 2
+            shared.reached[taker].value = shared.released[giver].value = 0.0
+            start = time.monotonic()
+            shared.phase.value = taker
+            _wait(lambda g=giver, t=taker: shared.reached[t].value > 0.0 and shared.released[g].value > 0.0,
+                  f"instance {taker} taking the budget", procs, lambda: ([m.value for m in shared.mapped],
+                                                                  read_budget(name)))
+            rows.append({"from": giver, "to": taker, "released_s": shared.released[giver].value - start,
+                         "mapped_s": shared.reached[taker].value - start, "budget": budget,
+                         "held": read_budget(name).held_bytes})
+    finally:
+        shared.phase.value = -1
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+        delete_budget(name, force=True)
+    return rows
+
+
+def _wait(condition, what: str, procs, state=None, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if not all(p.is_alive() for p in procs):
+            raise RuntimeError(f"an instance died (exit codes {[p.exitcode for p in procs]}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}: {state() if state else ''}")
+        time.sleep(0.0005)
+
+
+def _token_bytes(setup: Setup) -> int:
+    from kvcached.serving import kv_geometry, model_config
+
+    layers, heads, dim = kv_geometry(model_config("llama", setup.preset))
+    return layers * 2 * heads * dim * setup.dtype.itemsize
+
+
+def _compound_page_bytes(setup: Setup) -> int:
+    """Bytes one page id maps with the interleaved layout: every layer's K and V page."""
+    from kvcached import config
+    from kvcached.serving import kv_geometry, model_config
+
+    layers = kv_geometry(model_config("llama", setup.preset))[0]
+    page = setup.page_bytes or config.settings().page_size_mb << 20
+    return layers * 2 * page
+
+
+def print_handover(rows: list[dict]) -> None:
+    print("\nhandover: two processes, one global budget, the load moves (interleaved layout)")
+    print("| shift | budget MiB | losing instance unmapped (s) | receiving instance mapped 75% (s) |")
+    print("|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['from']} -> {r['to']} | {r['budget'] >> 20} | {r['released_s']:.3f} | {r['mapped_s']:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model on the CPU, a few steps (smoke test)")
+    parser.add_argument("--device", default="cuda", help="cuda (default where there is one) or cpu")
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens of every request")
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size")
+    parser.add_argument("--requests", type=int, default=64, help="requests of the end-to-end run")
+    parser.add_argument("--new", type=int, default=64, help="new tokens per request, end to end")
+    parser.add_argument("--budget-pages", type=int, default=16, help="global budget of the handover, in page ids")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,e2e,handover")
+    args = parser.parse_args()
+    setup = setup_from(args)
+    skip = set(filter(None, args.skip.split(",")))
+    if setup.threads:
+        torch.set_num_threads(setup.threads)
+    os.environ.setdefault("KVCACHED_TRACKER", "0")
+    from kvcached import shutdown_kvcached
+    from kvcached.serving import build_model
+
+    print(f"bench_serve: {setup.preset} ({setup.dtype}) on {setup.device}, torch {torch.__version__}, "
+          f"transformers {_transformers_version()}, block size {BLOCK_SIZE}", flush=True)
+    if not {"decode", "e2e"} <= skip:
+        start = time.perf_counter()
+        model = build_model("llama", preset=setup.preset, dtype=setup.dtype, device=setup.device)
+        print(f"model built in {time.perf_counter() - start:.1f} s", flush=True)
+        num_blocks = max(blocks_for(max(setup.batches), setup.prompt + setup.steps + 4),
+                         blocks_for(setup.requests, setup.prompt + setup.new))
+        caches = make_caches(model, setup, num_blocks)
+        if "e2e" not in skip:
+            rows = bench_end_to_end(model, caches, setup)
+            print_end_to_end(rows, setup)
+        if "decode" not in skip:
+            print_decode(bench_decode(model, caches, setup))
+        for cache in caches.values():
+            cache.close()
+        del model, caches
+        shutdown_kvcached()
+        if setup.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if "handover" not in skip:
+        print_handover(bench_handover(setup))
+
+
+if __name__ == "__main__":
+    main()
