@@ -200,16 +200,19 @@ def _wait_ready(instances: list[_Instance]) -> None:
         time.sleep(0.05)
 
 
-def _hold_commands(budget_name: str, instances: list[_Instance]) -> str:
-    first = instances[0].info["ipc_name"]
-    return "\n".join((
-        "The instances keep serving, the phases repeating, until Ctrl-C. In another terminal (same environment):",
-        "  kvctl list                        # both instances: used, reserved, capacity",
-        "  kvtop                             # the same, live (q quits)",
-        f"  kvctl budget {budget_name}      # the budget and what each holds",
-        f"  kvctl limit {first} 1M   # cap one instance: it preempts and gives pages back",
-        f"  kvctl limit {first} none # and lift the cap",
-    ))
+def _hold_commands(budget_name: str, budget_bytes: int, instances: list[_Instance]) -> str:
+    first = instances[0].spec.ipc_name
+    cap = f"{budget_bytes // 2 >> 20}M"             # half the budget
+    commands = (("kvctl list", "both instances: used, reserved, capacity"),
+                ("kvtop", "the same, live (q quits)"),
+                (f"kvctl budget {budget_name}", "the budget and what each instance holds"),
+                (f"kvctl limit {first} {cap}", "cap one instance: it preempts and gives pages back"),
+                (f"kvctl limit {first} none", "and lift the cap"))
+    width = max(len(command) for command, _ in commands)
+    heading = ("The instances keep serving, the phases repeating, until Ctrl-C. "
+               "In another terminal (same environment):")
+    return "\n".join([heading] +
+                     [f"  {command:<{width}}  # {what}" for command, what in commands])
 
 
 def run(options: Options) -> int:
@@ -238,8 +241,8 @@ def run(options: Options) -> int:
         for instance in instances:
             info = instance.info
             print(f"  {instance.spec.name}: pid {info['pid']}, segment {info['ipc_name']} (kvctl list shows it), "
-                  f"KV capacity {info['capacity_bytes'] / (1 << 20):.0f} MiB, pages of "
-                  f"{info['page_bytes'] >> 10} KiB, {info['token_bytes']} bytes per token", flush=True)
+                  f"KV capacity {format_bytes(info['capacity_bytes'])} in pages of {format_bytes(info['page_bytes'])} "
+                  f"(all layers), {format_bytes(info['token_bytes'])} per token", flush=True)
         recorder = _Recorder(instances, tag)
         with make_view(1 / TICK_S) as view:
             _drive(plan, instances, recorder, view, budget_bytes, holding=False)
@@ -250,7 +253,7 @@ def run(options: Options) -> int:
                   "phases": [asdict(phase) for phase in plan], "samples": recorder.samples}
         _write(record, options.out_png)
         if options.hold:
-            print(_hold_commands(tag, instances), flush=True)
+            print(_hold_commands(tag, budget_bytes, instances), flush=True)
             with make_view(1 / TICK_S) as view:
                 _drive(plan, instances, recorder, view, budget_bytes, holding=True)
         return 0
@@ -258,11 +261,14 @@ def run(options: Options) -> int:
         print("interrupted: stopping the instances", flush=True)
         return 130
     finally:
+        # A second Ctrl-C must not cut the clean-up short (the instances ignore SIGINT).
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         for instance in instances:
             instance.stop()
         for instance in instances:
             instance.join()
         delete_budget(tag, force=True)
+        signal.signal(signal.SIGINT, previous)
 
 
 def _write(record: dict, out_png: str) -> None:
@@ -292,9 +298,10 @@ def terminate_on_sigterm() -> None:
 # ~~~~~~~~~~~~~~~~~~~~~~
 # The budget must be what limits the instances, so the clients of a busy instance need more KV
 # memory than the budget holds: on the CPU, 40 clients with ~150 tokens each in the cache at 512
-# bytes per token (the tiny models in fp32) want ~3 MiB against a budget of 2.5 MiB; on CUDA, 96
-# clients of the Llama-3-8B shapes in bf16 (128 KiB per token) want ~8 GiB against 6 GiB. Few
-# tokens are generated per request (16 to 64) so that an idle instance drains within a phase. Alone,
+# bytes per token (the tiny models in fp32) want ~3 MiB against a budget of 2.5 MiB; on CUDA, 64
+# clients of the Llama-3-8B shapes in bf16 (128 KiB per token) with ~350 tokens each want ~2.7 GiB
+# against 2 GiB. Few tokens are generated per request (16 to 64 on CUDA, 16 to 48 on the CPU) so
+# that an idle instance drains its requests early in the next phase. Alone,
 # a busy instance maps the whole budget and preempts; with the clients split, each half wants
 # ~60% of the budget, so the two compete: the budget is first come, first served (nothing divides
 # it), and the instance that had the memory keeps what its clients need while the newcomer runs on
