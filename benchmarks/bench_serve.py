@@ -381,6 +381,7 @@ def main() -> None:
         num_blocks = max(blocks_for(max(setup.batches), setup.prompt + setup.steps + 4),
                          blocks_for(setup.requests, setup.prompt + setup.new))
         caches = make_caches(model, setup, num_blocks)
+        print(f"{num_blocks} blocks per cache; kvcached layout {caches['kvcached'].manager.layout}", flush=True)
         if "e2e" not in skip:
             rows = bench_end_to_end(model, caches, setup)
             print_end_to_end(rows, setup)
