@@ -22,7 +22,7 @@ from _procs import unique_name
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcached import _core, init_kvcached
+from kvcached import _core, init_kvcached, shutdown_kvcached
 from kvcached.budget import Budget, delete_budget, read_budget, set_budget
 from kvcached.errors import KVCachedError
 from kvcached.serving import (
@@ -183,6 +183,34 @@ def test_limit_drop_preempts_and_loses_nothing(elastic, family, layout):
     check_tokens(family, requests, serve(loop, requests, during=lower))
     assert loop.stats.preemptions > 0
     assert cache.manager.get_mapped_memory_size() <= 3 * cache.manager.page_bytes
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 1 << 16), layout=st.sampled_from(LAYOUTS), family=st.sampled_from(FAMILIES),
+       drop_at=st.integers(1, 12), limit_pages=st.integers(3, 6), restore_after=st.integers(1, 40))
+def test_random_limit_drops_lose_nothing(elastic, seed, layout, family, drop_at, limit_pages, restore_after):
+    """A limit of 3-6 pages at a random step, lifted again later, over random arrivals: every
+    request finishes with generate's tokens, and the mapped memory obeys the limit once met."""
+    requests = workload(seed, count=8, longest=30, max_new=30)
+    cache = elastic(family, layout=layout)
+    limit = limit_pages * cache.manager.page_bytes
+    loop = ServingLoop(serving_model(family), cache, max_batch_tokens=32)
+    met = []
+
+    def change(step: int) -> None:
+        if step == drop_at:
+            cache.manager.set_memory_limit(limit, revision=1)
+        elif step == drop_at + restore_after:
+            cache.manager.set_memory_limit(-1, revision=2)
+        if drop_at < step < drop_at + restore_after:
+            met.append(met[-1] if met and met[-1] else cache.manager.memory_limit()["status"] == "applied")
+            if met[-1]:
+                assert cache.mapped_bytes() <= limit
+
+    try:
+        check_tokens(family, requests, serve(loop, requests, during=change))
+    finally:
+        shutdown_kvcached()
 
 
 @pytest.fixture
