@@ -247,7 +247,10 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
     ``(N, block_size, dim)``; kv_layout "HND" puts heads before tokens. The tensors are views of
     virtual memory: a block is backed once a KVCacheManager of this group hands it out. They have
     exactly the requested shape, except with the opt-in page_grouped layout, whose block ids are
-    sparse and whose N is the id space (see kvcached.layout).
+    sparse and whose N is the id space (see kvcached.layout). Only rows of allocated blocks may be
+    read or written: an unallocated row has no memory behind it, so printing a tensor, summing it
+    or saving it faults (a segfault on the host backend, an illegal address on CUDA), unless
+    KVCACHED_ZERO_PAGE=1 backs every unallocated row with read-only zeros.
 
     Raises KVCachedConfigError for a shape, dtype, device or group that does not fit.
     """
@@ -329,6 +332,11 @@ def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_l
     arguments (a group has one manager at a time)."""
     from .kv_cache_manager import KVCacheManager
 
+    num_blocks, block_size, cell_size, num_layers, num_kv_buffers = (
+        as_int(value, name, minimum=1) for value, name in (
+            (num_blocks, "num_blocks"), (block_size, "block_size"), (cell_size, "cell_size"),
+            (num_layers, "num_layers"), (num_kv_buffers, "num_kv_buffers")))
+    group_id = as_int(group_id, "group_id", minimum=0)
     with _lock:
         rt = runtime()
         group = rt.groups.get(group_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from kvcached import (  # noqa: E402
     KVCacheManager,
     KVCachedClosedError,
     alloc_kv_cache,
+    get_kv_cache_manager,
     init_kvcached,
     runtime,
     shutdown_kvcached,
@@ -56,6 +58,16 @@ def check(kv, ids) -> None:
                 assert bool((got == want).all()), f"block {b} layer {layer} buffer {buffer} changed: {got.flatten()[:4]}"
 
 
+def snapshot(m) -> dict:
+    """What the parent owns: block states, page counts, mapped page ids, the pool file's blocks."""
+    stats = m.stats()
+    pages = {k: stats["pages"][k] for k in ("free", "in_use", "reserved", "pending_unmap", "transit", "mapped",
+                                            "num_maps", "num_unmaps")}
+    return {"blocks": m._blocks.block_states().tolist(), "allocated": stats["allocated"], "pages": pages,
+            "mapped_ids": m._group.page_table.mapped_page_ids(),
+            "pool_file_blocks": os.fstat(runtime.runtime().backend.pool_fd).st_blocks}
+
+
 def child_calls(m, kept_alloc, kept_free, ids) -> list[str]:
     """Every manager call in the child; returns the ones that did not raise KVCachedClosedError."""
     buf = np.zeros(2, np.int32)
@@ -68,6 +80,11 @@ def child_calls(m, kept_alloc, kept_free, ids) -> list[str]:
         "get_mapped_memory_size": m.get_mapped_memory_size, "get_page_occupancy": m.get_page_occupancy,
         "stats": m.stats, "check_invariants": m.check_invariants, "set_stream": lambda: m.set_stream(0),
         "kept alloc": lambda: kept_alloc(4), "kept free": lambda: kept_free(ids[:2]),
+        "init_kvcached": lambda: init_kvcached(device="cpu", page_size_bytes=PAGE_BYTES),
+        "get_kv_cache_manager": lambda: get_kv_cache_manager(NUM_BLOCKS, BLOCK_SIZE, CELL_SIZE, NUM_LAYERS),
+        "alloc_kv_cache": lambda: alloc_kv_cache((2, 8, BLOCK_SIZE, HEADS, HEAD_DIM), BLOCK_SIZE, torch.int32,
+                                                 "cpu", NUM_LAYERS, group_id=5),
+        "set_instance_memory_limit": lambda: runtime.set_instance_memory_limit(0, revision=9),
     }
     wrong = []
     for name, call in calls.items():
@@ -94,7 +111,7 @@ def role_fork() -> None:
     m.free(ids[150:])
     ids = ids[:150]
     kept_alloc, kept_free = m.alloc, m.free
-    before = (m.stats(), m._group.page_table.mapped_page_ids(), os.fstat(runtime.runtime().backend.pool_fd).st_blocks)
+    before = snapshot(m)
     holding, release = threading.Event(), threading.Event()
 
     def hold_runtime_lock() -> None:
@@ -134,11 +151,14 @@ def role_fork() -> None:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             break
-        assert time.monotonic() < deadline, "the forked child hung"
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung")
         time.sleep(0.01)
     assert os.waitstatus_to_exitcode(status) == 0, f"child failed: {status}"
     check(kv, ids)
-    after = (m.stats(), m._group.page_table.mapped_page_ids(), os.fstat(runtime.runtime().backend.pool_fd).st_blocks)
+    after = snapshot(m)
     assert after == before, f"the child's exit changed the parent's cache:\n{before}\n{after}"
     m.check_invariants()
     more = m.alloc(m.available_size())              # every other block is still the parent's to hand out

@@ -280,3 +280,18 @@ def test_tensors_track_mappings(cpu):
         kv[0][0, b].fill_(1)
         kv[1][1, b].fill_(-1)
     assert all(float(kv[0][0, b].sum()) == 16 * 64 for b in ids)
+
+
+def test_get_kv_cache_manager_validates_first(cpu):
+    """A bool is no count: get_kv_cache_manager(True, ...) must not hand back the manager made
+    with num_blocks=1 (True == 1 in a tuple comparison)."""
+    cpu()
+    alloc_kv_cache((2, 100, 16, 2, 32), 16, torch.float16, "cpu", 2)
+    m = get_kv_cache_manager(1, 16, 128, 2)
+    assert get_kv_cache_manager(np.int64(1), np.int32(16), 128, 2) is m
+    for args, match in [((True, 16, 128, 2), "num_blocks=True"), ((1, 16.0, 128, 2), "block_size=16.0"),
+                        ((1, 16, 128, 2, True), "num_kv_buffers=True")]:
+        with pytest.raises(KVCachedConfigError, match=match):
+            get_kv_cache_manager(*args)
+    with pytest.raises(KVCachedConfigError, match="group_id=True"):
+        get_kv_cache_manager(1, 16, 128, 2, group_id=True)
