@@ -358,7 +358,17 @@ cdef class BlockAllocator:
                     return _OOM
             elif self.pages.take_pool(r - self.partial_free, True, self.page_buf, &np_new) != 0:
                 return _NEED_SLOW
-        # from here on nothing can fail
+        self._place(n, h, np_new, out)          # nothing can fail from here on
+        return 0
+
+    cdef int _place(self, int n, int h, int np_new, int32_t* out) noexcept nogil:
+        """Hand out n ids into out: h held ones, then from the owned pages and the np_new new
+        pages in page_buf (Note [Block placement]); the caller made sure they hold enough. New
+        pages that turn out not to be needed (frees came in while they were mapped) are not
+        adopted: they are moved to page_buf[0..L) and L is returned, for the caller to give back."""
+        cdef int pos, j, f, k, left = 0
+        cdef int64_t rem
+        cdef int32_t p
         for j in range(h):
             self.num_held -= 1
             out[j] = self.held[self.num_held]
@@ -373,11 +383,15 @@ cdef class BlockAllocator:
                 pos += self._take_from(self.bucket_head[f], f, out + pos)
             for j in range(np_new):
                 p = self.page_buf[j]
+                if pos >= n:
+                    self.page_buf[left] = p
+                    left += 1
+                    continue
                 self._adopt(p)
                 k = min(self.page_blocks[p], n - pos)
                 pos += self._take_from(p, k, out + pos)
         else:
-            rem = r
+            rem = n - h
             while rem > 0:
                 f = self._bucket_highest()
                 if rem <= f:
@@ -389,7 +403,7 @@ cdef class BlockAllocator:
                     rem -= f
         self.num_allocated += n
         self.num_allocs += 1
-        return 0
+        return left
 
     cdef int _free_locked(self, int n, const int32_t* ids, int* n_empty, int64_t* bad) noexcept nogil:
         """Free ids[0..n): returns 0 with the pages that became empty in page_buf[0..n_empty)
@@ -460,16 +474,71 @@ cdef class BlockAllocator:
         return 0
 
     cdef int _run_alloc(self, int n, int32_t* out, bint use_held) except -1:
-        cdef int rc
+        """alloc's worker: the pool fast path under the lock with the GIL; else the pages are
+        taken — refill wait, budget gate, driver map — without holding the lock, so frees and
+        pool-served allocs of other threads go on meanwhile (Note [Allocator locks])."""
+        cdef int rc, np_new = 0, attempt, left
+        cdef int64_t r, fresh_blocks, j
+        cdef int32_t* fresh = NULL
+        cdef bint locked
         self._lock()
+        locked = True
         try:
             rc = self._alloc_locked(n, out, False, use_held)
-            if rc == _NEED_SLOW:
-                with nogil:
-                    rc = self._alloc_locked(n, out, True, use_held)
+            if rc != _NEED_SLOW:
+                return rc
+            fresh = <int32_t*>malloc(max(1, self.num_pages) * sizeof(int32_t))
+            if fresh == NULL:
+                raise MemoryError
+            for attempt in range(2):
+                r = n - (min(<int64_t>n, self.num_held) if use_held else 0) - self.partial_free
+                self.num_inflight += 1
+                pthread_mutex_unlock(&self.lock)
+                locked = False
+                try:
+                    with nogil:
+                        rc = self.pages.take_blocks(r, fresh, &np_new)
+                finally:
+                    self._lock()
+                    locked = True
+                    self.num_inflight -= 1
+                if rc == _OOM:
+                    rc = self._alloc_locked(n, out, False, use_held)    # frees meanwhile may cover it
+                    if rc == _NEED_SLOW:
+                        self.num_failed_allocs += 1
+                        return _OOM
+                    return rc
+                if self.live_token != _fork_generation:           # closed while we mapped
+                    with nogil:
+                        self.pages._discard_used(np_new, fresh)
+                    self._raise_unusable()
+                r = n - (min(<int64_t>n, self.num_held) if use_held else 0)
+                fresh_blocks = 0
+                for j in range(np_new):
+                    fresh_blocks += self.page_blocks[fresh[j]]
+                if r <= self.partial_free + fresh_blocks:
+                    if r <= self.partial_free:                    # frees came in: the new pages are not needed
+                        self._place(n, n - <int>r, 0, out)
+                        memcpy(self.page_buf, fresh, np_new * sizeof(int32_t))
+                        left = np_new
+                    else:
+                        memcpy(self.page_buf, fresh, np_new * sizeof(int32_t))
+                        left = self._place(n, n - <int>r, np_new, out)
+                    if left:
+                        self._return_pages(left)
+                    return 0
+                # other threads took the free slots meanwhile: give the pages back, try again
+                memcpy(self.page_buf, fresh, np_new * sizeof(int32_t))
+                if np_new:
+                    self._return_pages(np_new)
+            # still overtaken: map under the lock, where nobody can take the slots away
+            with nogil:
+                rc = self._alloc_locked(n, out, True, use_held)
+            return rc
         finally:
-            pthread_mutex_unlock(&self.lock)
-        return rc
+            if locked:
+                pthread_mutex_unlock(&self.lock)
+            free(fresh)
 
     cdef int _return_pages(self, int ne) except -1:
         """Give the pages that became empty (page_buf[0..ne)) back, under `lock`. The blocks are
@@ -805,6 +874,7 @@ cdef class BlockAllocator:
                 assert bool(bit) == bool(members), f"bucket {f}: bit {bit}, members {members}"
                 buckets[f] = members
             totals = (self.num_allocated, self.num_held, self.partial_free, self.num_owned)
+            inflight = self.num_inflight
             page_states = self.pages.page_states()
         finally:
             pthread_mutex_unlock(&self.lock)
@@ -818,8 +888,11 @@ cdef class BlockAllocator:
         assert len(held) == num_held == int((state == _BS_HELD).sum()), "held ids disagree"
         assert len(set(held)) == len(held) and all(state[b] == _BS_HELD for b in held), "held stack disagrees"
         assert int(owned.sum()) == num_owned, "num_owned disagrees"
-        assert ((owned != 0) == (page_states == _PS_USED)).all(), \
-            "owned pages are not exactly the page allocator's used pages"
+        if inflight:        # allocs mapping pages without the lock hold used pages not adopted yet
+            assert ((owned == 0) | (page_states == _PS_USED)).all(), "an owned page is not in use"
+        else:
+            assert ((owned != 0) == (page_states == _PS_USED)).all(), \
+                "owned pages are not exactly the page allocator's used pages"
         in_bucket = {}
         for f, members in buckets.items():
             for q in members:
@@ -847,8 +920,14 @@ cdef class BlockAllocator:
 # workers assume it. It is only ever *waited on* with the GIL released (trylock first while holding
 # the GIL, which is the uncontended case and costs ~20 ns), so a holder may take the GIL (budget
 # gate, driver errors) without deadlock; a fast path that finds enough pages in the pool runs to
-# the end with the GIL held and never calls the driver, and one that needs mapping releases the
-# GIL but keeps the lock. Lock order: BlockAllocator.lock -> PageAllocator.map_lock ->
+# the end with the GIL held and never calls the driver. An alloc that needs pages beyond the pool
+# lets go of the lock while the page allocator waits for the refill, asks the budget gate and maps
+# (tens of µs to ms): the pages it gets are its own (used, not yet adopted), so frees and
+# pool-served allocs of other threads go on meanwhile. Back under the lock it checks that the
+# pages still cover what it needs — frees may have made some unnecessary (given back at once),
+# other allocs may have taken the free slots it counted on (then it gives the pages back and tries
+# once more, and after that maps under the lock, so it cannot be overtaken for ever). try_to_reserve
+# still maps under the lock. Lock order: BlockAllocator.lock -> PageAllocator.map_lock ->
 # PageAllocator.lock -> Backend._lock; PageAllocator.lock is never held across a driver or Python
 # call, so it may be waited on with the GIL held.
 #

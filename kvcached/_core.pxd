@@ -273,6 +273,7 @@ cdef class PageAllocator:
     cdef void _release_page(self, int32_t page_id) noexcept nogil
     cdef void _queue_retry(self, int32_t page_id) noexcept nogil
     cdef int _settle_failed_map(self, int n, const int32_t* ids) noexcept nogil
+    cdef int _discard_used(self, int n, int32_t* ids) except -1 nogil          # unmap pages in use nobody will hand out
     cdef int _check_usable(self) except -1 nogil                # raises when closed / forked
     cdef int _check_not_forked(self) except -1                  # raises in a forked child
     cdef int _drain(self, bint wait_all) except -1 nogil
@@ -324,6 +325,7 @@ cdef class BlockAllocator:
     cdef uint8_t* page_adopted                  # [page] 1: ever taken, so its ids may sit in id_objs
     cdef public bint debug_checks               # check_invariants() after every public call
     cdef uint64_t num_allocs, num_frees, num_failed_allocs
+    cdef int num_inflight                       # allocs taking pages without the lock (Note [Allocator locks])
 
     cdef int _alloc_locked(self, int n, int32_t* out, bint may_block, bint use_held) except -1 nogil  # 0 / _OOM / _NEED_SLOW
     cdef int _free_locked(self, int n, const int32_t* ids, int* n_empty, int64_t* bad) noexcept nogil  # 0 / _BAD_ID
@@ -338,5 +340,6 @@ cdef class BlockAllocator:
     cdef int _check_not_forked(self) except -1
     cdef int _clear_locked(self) except -1
     cdef int _run_alloc(self, int n, int32_t* out, bint use_held) except -1          # 0 / _OOM; GIL held
+    cdef int _place(self, int n, int h, int np_new, int32_t* out) noexcept nogil     # -> unneeded new pages, in page_buf
     cdef int _run_free(self, int n, const int32_t* ids) except -1                    # raises BlockStateError; GIL held
     cdef int _return_pages(self, int ne) except -1                                   # page_buf[0..ne) back; never raises past the free

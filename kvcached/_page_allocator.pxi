@@ -391,6 +391,8 @@ cdef class PageAllocator:
                 if gated and unmapped:
                     self._gate_release(unmapped)
             if rc != 0:
+                if np:      # returns may have filled the pool while we mapped: back within max_reserved
+                    self._pool_out(self.max_reserved, self.num_table_pages)
                 self._refresh_physical()
                 return _OOM
             n_out[0] = np + k
@@ -486,6 +488,25 @@ cdef class PageAllocator:
                 self._drain(False)
             finally:
                 pthread_mutex_unlock(&self.map_lock)
+        return 0
+
+    cdef int _discard_used(self, int n, int32_t* ids) except -1 nogil:
+        """Unmap pages in use that their taker cannot hand out (its BlockAllocator was closed
+        while it mapped them). Takes map_lock and lock."""
+        cdef int i
+        if n <= 0:
+            return 0
+        pthread_mutex_lock(&self.map_lock)
+        try:
+            pthread_mutex_lock(&self.lock)
+            for i in range(n):
+                self.state[ids[i]] = _PS_TRANSIT
+            self.num_used -= n
+            self.num_transit += n
+            pthread_mutex_unlock(&self.lock)
+            self._unmap_ids(n, ids)
+        finally:
+            pthread_mutex_unlock(&self.map_lock)
         return 0
 
     # -- unmapping (the holder of map_lock) ---------------------------------------------------
@@ -675,10 +696,11 @@ cdef class PageAllocator:
                 for i in range(k):
                     self.refill_transit_weight -= self.weight[self.scratch[i]]
                 if finished and rc == 0:
-                    # a limit set while we mapped wins: keep only what still fits
-                    fits = k
+                    # a limit set, or returns that filled the pool, while we mapped win: keep
+                    # only what still fits (the pool never exceeds max_reserved)
+                    fits = max(0, min(k, self.max_reserved - self.num_pool))
                     if self.limit_pages >= 0:
-                        fits = max(0, min(k, self.limit_pages - self.num_used - self.num_pool - (self.num_transit - k)))
+                        fits = max(0, min(fits, self.limit_pages - self.num_used - self.num_pool - (self.num_transit - k)))
                     for i in range(fits):
                         p = self.scratch[i]
                         self.state[p] = _PS_POOL

@@ -64,15 +64,18 @@ def test_oom_in_background_refill_backs_off(stack_factory):
     s = stack_factory(num_pages=16, capacity_granules=None, block_bytes=16 * KIB, min_reserved=3, max_reserved=4)
     s.backend.inject_out_of_memory(1)
     s.pages.start()
-    time.sleep(0.15)
+    end = time.monotonic() + 30
+    while s.pages.stats()["num_refill_failures"] < 1 and time.monotonic() < end:
+        time.sleep(0.001)
     st = s.pages.stats()
+    assert st["num_refill_failures"] >= 1
     # the refill maps one page at a time (Note [Proactive refill]): the page mapped before the
     # failure stays pooled, the failed one is rolled back, nothing is left in transit
     assert st["reserved"] == 1 and st["transit"] == 0 and s.pages.last_error is None
     s.pages.check_invariants()
     s.backend.inject_out_of_memory(-1)
     assert s.blocks.alloc(1) is not None                        # activity wakes the refill again
-    end = time.monotonic() + 3
+    end = time.monotonic() + 30
     while s.pages.stats()["reserved"] < 3 and time.monotonic() < end:
         time.sleep(0.005)
     assert s.pages.stats()["reserved"] == 3

@@ -80,3 +80,40 @@ def test_eight_threads_churn(stack_factory):
     s.blocks.check_invariants()
     s.pages.drain(wait=True)
     assert s.pages.stats()["mapped"] == s.pages.stats()["reserved"]
+
+
+def test_free_does_not_wait_behind_another_threads_mapping(stack_factory):
+    """An alloc that maps (here: held up in the budget gate, as it would be in a slow driver
+    call) does not hold the allocator's lock: a free, and an alloc served by owned pages, finish
+    meanwhile. The gate waits on an event, so nothing depends on timing but a generous bound."""
+    s = stack_factory(num_pages=16, capacity_granules=None, block_bytes=16 * KIB, min_reserved=0, max_reserved=0)
+    entered, release = threading.Event(), threading.Event()
+
+    def acquire(nbytes):
+        entered.set()
+        return release.wait(60)
+
+    keep = s.blocks.alloc(6)                     # pages 0 and 1 (4 blocks each), 2 slots free
+    s.pages.set_budget_gate(acquire, lambda nbytes: None)
+    result = {}
+    mapper = threading.Thread(target=lambda: result.setdefault("big", s.blocks.alloc(8)))
+    mapper.start()
+    try:
+        assert entered.wait(60), "the alloc never reached the gate"
+        done = threading.Event()
+
+        def other():
+            s.blocks.free(keep[:3])
+            result["small"] = s.blocks.alloc(2)
+            done.set()
+
+        threading.Thread(target=other, daemon=True).start()
+        assert done.wait(30), "a free waited behind another thread's mapping"
+        assert not release.is_set() and result["small"] is not None
+    finally:
+        release.set()
+        mapper.join(60)
+    assert result["big"] is not None and len(result["big"]) == 8
+    live = set(keep[3:]) | set(result["small"]) | set(result["big"])
+    assert len(live) == 3 + 2 + 8
+    s.blocks.check_invariants()

@@ -10,13 +10,21 @@ from kvcached.errors import KVCachedConfigError, MappingError
 from _stacks import GRANULARITY, make_table, state_of
 
 
-def wait_for(cond, timeout=5.0):
+def wait_for(cond, timeout=30.0):
+    """Poll `cond` until true or a generous timeout (a loaded 2-core machine may starve threads)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if cond():
             return True
-        time.sleep(0.002)
+        time.sleep(0.001)
     return cond()
+
+
+def wait_rounds(pages, rounds=2):
+    """Wait until the background thread has completed `rounds` more rounds (it wakes at least
+    every 100 ms): what it would do on its own, it has done by then."""
+    start = pages.stats()["num_bg_rounds"]
+    assert wait_for(lambda: pages.stats()["num_bg_rounds"] >= start + rounds), "the background thread stalled"
 
 
 def test_take_maps_lowest_ids_and_give_back_pools_then_unmaps(stack_factory):
@@ -182,7 +190,8 @@ def test_background_thread_respects_limit(stack_factory):
     s = stack_factory(block_bytes=None, capacity_granules=None, min_reserved=4, max_reserved=6)
     s.pages.set_limit_pages(2)
     s.pages.start()
-    time.sleep(0.05)
+    assert wait_for(lambda: s.pages.stats()["reserved"] == 2)
+    wait_rounds(s.pages)                              # rounds that found nothing more to map
     assert s.pages.stats()["reserved"] == 2
     s.pages.set_limit_pages(-1)
     assert wait_for(lambda: s.pages.stats()["reserved"] == 4)
@@ -195,11 +204,35 @@ def test_idle_trim(stack_factory):
     s.pages.give_back(s.pages.take(4))
     s.pages.start()
     assert wait_for(lambda: s.pages.stats()["reserved"] == 0 and s.pages.stats()["num_idle_trims"] >= 1)
-    time.sleep(0.1)
+    wait_rounds(s.pages)
     assert s.pages.stats()["reserved"] == 0           # no refill while idle
     assert s.pages.take(1) is not None                # activity: refill again
     assert wait_for(lambda: s.pages.stats()["reserved"] == 2)
     s.pages.stop()
+
+
+def test_slow_path_wakes_the_refill_thread(stack_factory):
+    """A take that needs more pages than the pool holds empties the pool and maps the rest; it
+    must wake the background thread, which otherwise sleeps out its 100 ms period (median gap
+    ~50 ms). The bound is generous: a prompt wake-up takes well under a millisecond here."""
+    import statistics
+
+    s = stack_factory(block_bytes=None, capacity_granules=None, num_pages=64, min_reserved=2, max_reserved=3)
+    s.pages.start()
+    gaps = []
+    for _ in range(21):
+        assert wait_for(lambda: (lambda st: st["reserved"] >= 2 and st["transit"] == 0)(s.pages.stats()))
+        wait_rounds(s.pages, 1)                       # the thread is asleep in its period now
+        slow = s.pages.stats()["num_slow_path"]
+        ids = s.pages.take(s.pages.max_reserved + 2)  # the whole pool and more: the slow path
+        t0 = time.monotonic()
+        assert ids is not None and s.pages.stats()["num_slow_path"] == slow + 1
+        assert wait_for(lambda: s.pages.stats()["reserved"] >= 2)
+        gaps.append(time.monotonic() - t0)
+        s.pages.give_back(ids)
+        s.pages.set_pool_bounds(2, 3)                 # back to the resting pool for the next round
+    assert statistics.median(gaps) < 0.02, f"refill after a slow take: median {statistics.median(gaps) * 1e3:.1f} ms"
+    s.pages.check_invariants()
 
 
 def test_stats_keys_and_available_without_driver(stack_factory):
