@@ -22,8 +22,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from kvcached import (  # noqa: E402
-    KVCacheManager,
     KVCachedClosedError,
+    KVCacheManager,
     alloc_kv_cache,
     get_kv_cache_manager,
     init_kvcached,

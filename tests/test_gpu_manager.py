@@ -225,3 +225,39 @@ def test_set_stream(cuda):
     torch.cuda.synchronize()
     m.trim()
     assert m.get_mapped_memory_size() == 0
+
+
+def test_closed_manager_leaves_a_newer_one_alone(cuda):
+    """On CUDA as on the host: a closed manager's kept alloc and its trim raise, and the newer
+    manager's live blocks keep their data (an unmap under them would be an illegal address)."""
+    from kvcached.errors import KVCachedError
+
+    old, kv, buffers = cuda()
+    old_alloc, old_trim = old.alloc, old.trim
+    old.alloc(100)
+    old.close()
+    new = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, HEADS * HEAD_DIM * DTYPE.itemsize, NUM_LAYERS)
+    ids = new.alloc(600)
+    for layer in range(NUM_LAYERS):
+        for buffer in range(buffers):
+            write(kv, "flash_attn", layer, buffer, ids)
+    new.free(ids[300:])
+    ids = ids[:300]
+    for call in (lambda: old_alloc(5), old_trim, lambda: old.alloc(5), old.trim):
+        with pytest.raises(KVCachedError):
+            call()
+    check(kv, "flash_attn", buffers, ids)
+    new.check_invariants()
+
+
+def test_layout_choice_knows_the_memory_kind(cuda):
+    """auto asks the device whether its memory is integrated (CU_DEVICE_ATTRIBUTE_INTEGRATED)."""
+    from kvcached import runtime
+
+    cuda(layout="auto")
+    rt = runtime.runtime()
+    group = rt.groups[0]
+    integrated = rt.backend.integrated_memory
+    assert integrated == torch.cuda.get_device_properties(rt.backend.device_id).is_integrated
+    assert group.layout.name == ("per_layer" if integrated else "interleaved"), group.layout_reason
+    assert ("integrated-memory" if integrated else "discrete-memory") in group.layout_reason
