@@ -305,7 +305,7 @@ class KVCacheManager:
         nothing is changed then."""
         state = self._apply_limit(limit_bytes, revision)
         with self._limit_lock:
-            if state["status"] in ("applied", "deferred") and self._tracker is not None:
+            if state["status"] in ("applied", "deferred") and self._tracker is not None and not self.closed:
                 self._tracker.set_limit(self._limit_bytes, self._limit_revision, self._limit_status)
         return state
 

@@ -159,6 +159,18 @@ def test_alloc_never_partial(kv_env, layout):
     m.check_invariants()
 
 
+def release_when_blocked(native_id: int, release: threading.Event, timeout_s: float = 30) -> None:
+    """Set `release` once the thread `native_id` sleeps in the kernel (an alloc waiting for the
+    refill), or after timeout_s: the answer is the same either way, only what is tested differs."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "S":
+                break
+        time.sleep(0.001)
+    release.set()
+
+
 def test_available_size_counts_pages_in_refill(kv_env):
     m, kv = make(kv_env, "interleaved", num_blocks=300, min_reserved=2, max_reserved=3)
     m._pages.stop()
@@ -177,8 +189,10 @@ def test_available_size_counts_pages_in_refill(kv_env):
         m.free(m.alloc(1))                   # activity: the background thread refills the pool
         assert entered.wait(5)
         during = m.available_size()
-        threading.Timer(0.3, release.set).start()
+        releaser = threading.Thread(target=release_when_blocked, args=(threading.get_native_id(), release))
+        releaser.start()
         got = m.alloc(during + 1)
+        releaser.join()
         if got is not None:
             m.free(got)
         assert got is None, f"available_size()={during} during a refill, yet alloc({during + 1}) succeeded"
