@@ -28,7 +28,7 @@ class Workload:
 
     preset: str                     # kvcached.serving.model.PRESETS
     dtype: str                      # torch dtype name
-    page_size_bytes: int            # of one KV buffer page (KVCACHED_PAGE_SIZE_MB on CUDA)
+    page_size_bytes: int            # page of one KV buffer (init_kvcached's page_size_bytes)
     num_blocks: int                 # capacity of the KV cache, in blocks of block_size tokens
     block_size: int
     max_running: int                # requests decoded together
@@ -41,8 +41,8 @@ class Workload:
 class InstanceSpec:
     """What the parent tells an instance at start."""
 
-    name: str                       # shown in the view; also the model family
-    family: str
+    name: str                       # shown in the view and the plot
+    family: str                     # kvcached.serving.model.FAMILIES
     ipc_name: str                   # KVCACHED_IPC_NAME: its segment, as kvctl lists it
     device: str
     seed: int
