@@ -161,12 +161,17 @@ def test_dead_instance_list_gc_delete():
     name, live = unique_name("dead"), unique_name("live")
     with Proc("hold", live), Proc("hold", name) as doomed:
         doomed.kill(signal.SIGKILL)
+        # A gc run by a concurrent test may collect the dead segment at any point from here.
         records = {r["name"]: r for r in json.loads(kvctl("list", "--json").stdout)}
-        assert (records[name]["state"], records[live]["state"]) == ("dead", "alive")
+        assert records.get(name, {"state": "dead"})["state"] == "dead"
+        assert records[live]["state"] == "alive"
         refused = kvctl("limit", name, "1G")
-        assert refused.returncode == 1 and "is dead" in refused.stderr
+        assert refused.returncode == 1
+        assert "is dead" in refused.stderr or "no kvcached instance" in refused.stderr
+        path = mit.segment_path(name)
         gc = kvctl("gc")
-        assert gc.returncode == 0 and f"removed segment {name} " in gc.stdout
+        assert gc.returncode == 0 and not os.path.exists(path)
+        assert f"removed segment {name} (owner dead)" in gc.stdout or name not in gc.stdout
         assert live not in gc.stdout
         with pytest.raises(KVCachedError):
             read_segment(name)
@@ -262,10 +267,12 @@ def test_tampered_names_are_escaped_never_printed_raw():
             for stream in (result.stdout, result.stderr):
                 assert not any(c in stream for c in "\x1b\x07\x9b"), (command, stream)
             assert "evil\\x1b]0;pwned\\x07\\x1b[31mred\\n\\x9bx" in result.stdout, command
-        assert "\\x1b[2J" in outputs["list"].stderr  # the odd file is skipped, escaped
+        # The odd file is skipped, escaped (unless a gc of a concurrent test removed it first).
+        assert "\\x1b[2J" in outputs["list"].stderr or not os.path.exists(evil_file)
         records = json.loads(kvctl("list", "--json").stdout)  # JSON escapes by itself
         assert any(r["name"].startswith("evil\x1b") for r in records)
+        existed = os.path.exists(evil_file)
         gc = kvctl("gc")
-        assert gc.returncode == 0 and "\x1b" not in gc.stdout
-        assert "\\x1b[2J\\x07 (not a valid segment)" in gc.stdout
+        assert gc.returncode == 0 and "\x1b" not in gc.stdout and "\x07" not in gc.stdout
+        assert "\\x1b[2J\\x07 (not a valid segment)" in gc.stdout or not existed
         assert not os.path.exists(evil_file)

@@ -175,7 +175,7 @@ def test_sigkilled_owner_is_stale_and_collected():
         snap = read_segment(name)
     assert (snap.alive, snap.stale) == (False, True)
     assert name in {s.name for s in list_segments() if s.stale}
-    assert name in gc_segments()
+    assert gc_segments().get(name, "owner dead") == "owner dead"  # (or a concurrent gc took it)
     with pytest.raises(KVCachedError, match="no kvcached instance named"):
         read_segment(name)
 
@@ -520,9 +520,9 @@ def test_owner_survives_any_change_to_its_file(change, detaches):
         assert json.loads(busy.readline(timeout_s=30))["publishes"] > report["publishes"]
         removed = gc_segments()
         assert bystander not in removed and read_segment(bystander).alive
-        if os.path.exists(path):
-            assert removed.get(name) == "not a valid segment"
-            assert not os.path.exists(path)
+        assert not os.path.exists(path)  # nothing valid is left at the name
+        assert removed.get(name) in (None, "not a valid segment")  # None: unlinked, or a
+        # concurrent test's gc came first
         status, _, err = busy.finish()
     assert status == 0, err
     if detaches:
@@ -536,8 +536,10 @@ def test_gc_removes_files_that_are_not_segments():
     with open(foreign, "wb") as f:
         f.write(b"\x1b]0;pwned\x07".ljust(mit.SEGMENT_BYTES, b"\0"))
     removed = gc_segments()
-    assert {os.path.basename(p)[len(mit.SEGMENT_PREFIX):] for p in (short, foreign)} <= set(removed)
-    assert not os.path.exists(short) and not os.path.exists(foreign)
+    for path in (short, foreign):  # removed by this gc (or by a concurrent test's)
+        assert not os.path.exists(path)
+        assert removed.get(os.path.basename(path)[len(mit.SEGMENT_PREFIX):],
+                           "not a valid segment") == "not a valid segment"
 
 
 def test_a_file_that_is_not_a_segment_is_taken_over():
