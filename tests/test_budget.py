@@ -336,7 +336,7 @@ _UNSHARE = ("unshare", "--user", "--map-root-user", "--pid", "--fork")
 def _can_unshare() -> bool:
     if shutil.which("unshare") is None:
         return False
-    return subprocess.run([*_UNSHARE, "true"], capture_output=True).returncode == 0
+    return subprocess.run([*_UNSHARE, "true"], capture_output=True, check=False).returncode == 0
 
 
 def _child_pid(pid: int) -> int:

@@ -195,7 +195,13 @@ def test_budget_commands():
     try:
         created = kvctl("budget", name, "1.5G")
         assert created.returncode == 0 and "1.50 GiB" in created.stdout
+        assert "dead after 10 s without a heartbeat" in created.stdout
         assert read_budget(name).budget_bytes == 3 * GiB // 2
+        assert kvctl("budget", name, "1.5G", "--stale-after", "30").returncode == 0
+        assert read_budget(name).stale_after_s == 30
+        refused = kvctl("budget", name, "1.5G", "--stale-after", "0.01")
+        assert refused.returncode == 1 and "stale_after_s=0.01 is invalid" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
         shown = json.loads(kvctl("budget", name, "--json").stdout)
         assert (shown["budget_bytes"], shown["held_bytes"]) == (3 * GiB // 2, 0)
         listing = kvctl("budget")

@@ -408,7 +408,8 @@ def test_watcher_survives_requests_no_operator_can_make(tracker):
         seq = read_segment(tracker.name).request_seq + 2
         _poke(tracker.path, "request_limit_bytes", limit, revision)
         _poke(tracker.path, "request_seq", seq)
-        _wait(lambda: read_segment(tracker.name).ack_request_seq == seq, what="the answer")
+        _wait(lambda seq=seq: read_segment(tracker.name).ack_request_seq == seq,
+              what="the answer")
         assert read_segment(tracker.name).ack_status == "error"
     assert recorder.calls == []  # never handed to the callback
 

@@ -242,8 +242,8 @@ def cmd_budget(args: argparse.Namespace) -> int:
             print(_table(rows, right={1, 2, 3, 4, 5}))
         return EXIT_OK
     if args.delete:
-        if args.size is not None:
-            raise _Fail("give either SIZE or --delete, not both")
+        if args.size is not None or args.stale_after is not None:
+            raise _Fail("give either SIZE (and --stale-after) or --delete, not both")
         delete_budget(args.name, force=args.force)
         print(f"deleted budget {args.name}")
         return EXIT_OK
@@ -252,7 +252,9 @@ def cmd_budget(args: argparse.Namespace) -> int:
             budget_bytes = parse_size(args.size)
         except ValueError as exc:
             raise _Fail(str(exc)) from None
-        snap = set_budget(args.name, budget_bytes)
+        snap = set_budget(args.name, budget_bytes, args.stale_after)
+    elif args.stale_after is not None:
+        raise _Fail("--stale-after needs the budget's SIZE too")
     else:
         snap = read_budget(args.name)
     if args.json:
@@ -260,7 +262,8 @@ def cmd_budget(args: argparse.Namespace) -> int:
         return EXIT_OK
     print(f"budget {printable(snap.name)}: {format_bytes(snap.budget_bytes)}, held "
           f"{format_bytes(snap.held_bytes)} by {len(snap.holders)} holder(s), recovered "
-          f"{format_bytes(snap.recovered_bytes)}")
+          f"{format_bytes(snap.recovered_bytes)}; holders of other pid namespaces are dead "
+          f"after {snap.stale_after_s:g} s without a heartbeat")
     for h in snap.holders:
         print(f"  pid {h.pid:>8}  {format_bytes(h.held_bytes):>12}  "
               f"{'alive' if h.alive else 'dead'}")
@@ -311,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "or change its size. NAME --delete: remove it.")
     p.add_argument("name", metavar="NAME", nargs="?")
     p.add_argument("size", metavar="SIZE", nargs="?", help="bytes (4096) or a binary unit (40G)")
+    p.add_argument("--stale-after", type=float, metavar="SECONDS",
+                   help="with SIZE: a holder in another pid namespace (container) whose heartbeat "
+                        "is older is dead and its share reclaimed (default 10 when creating)")
     p.add_argument("--delete", action="store_true", help="remove the budget")
     p.add_argument("--force", action="store_true", help="with --delete: even if it is in use")
     p.add_argument("--json", action="store_true", help="print JSON")
