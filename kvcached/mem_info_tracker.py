@@ -121,7 +121,7 @@ log = logging.getLogger("kvcached")
 # --------------------------------------------------------------------------------------------
 
 # CPUs whose stores become visible in program order and whose loads are not reordered with
-# older loads (total store order): plain accesses through a mapping are enough there.
+# older loads (total store order): no fence is needed there.
 TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i486", "i586", "i686"})
 
 
@@ -178,6 +178,9 @@ def _own_pid_ns() -> int:
 
 
 _PID_NS = _own_pid_ns()
+# This process's pid, kept current across fork without a getpid() call per write.
+_pid_now = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid_now.__setitem__(0, os.getpid()))
 _START_TIME: dict[int, int] = {}
 
 
@@ -896,9 +899,10 @@ class MemInfoTracker:
                 "instance another name (KVCACHED_IPC_NAME) or stop that process")
 
     def _file_ok(self) -> bool:
-        """Whether writes may go to the file: open, not detached, and a segment long (one
-        fstat). Assumes ``self._write_lock``. See Note [A segment changed by another process]."""
-        if self._closed or self._detached is not None:
+        """Whether writes may go to the file: open, not detached, not a forked child's copy
+        (the segment is the parent's), and a segment long (one fstat). Assumes
+        ``self._write_lock``. See Note [A segment changed by another process]."""
+        if self._closed or self._detached is not None or _pid_now[0] != self._identity[0]:
             return False
         size = os.fstat(self._fd).st_size
         if size < SEGMENT_BYTES:

@@ -568,3 +568,21 @@ def test_fence_only_where_the_cpu_needs_one(monkeypatch, tracker):
     ack = wait_for_ack(request_limit(tracker.name, 1 << 20), timeout_s=30)
     assert ack.ack_status == "applied" and ack.mapped_bytes == 15
     assert len(calls) >= 8  # publish, request, answer and reads each fenced twice
+
+
+def test_forked_child_never_writes_its_parents_segment(tracker):
+    tracker.publish(1, 2)
+    tracker.set_limit(3 << 20, 4)
+    pid = os.fork()
+    if pid == 0:  # the child: every write stays in its own copy, and its exit removes nothing
+        try:
+            tracker.publish(5, 6)
+            tracker.set_limit(7 << 20, 8)
+            tracker.close()
+        finally:
+            os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    snap = read_segment(tracker.name)
+    assert (snap.used_bytes, snap.reserved_bytes, snap.limit_bytes, snap.limit_revision) == (
+        1, 2, 3 << 20, 4)
+    tracker.check_invariants()
