@@ -1,5 +1,6 @@
 # PageAllocator: free page ids, the reserved pool, deferred unmap, resize, limits, the background
-# thread. See Note [Page allocator states], Note [Deferred unmap], Note [Background thread].
+# thread. See Note [Page allocator states], Note [Deferred unmap], Note [Failed unmap],
+# Note [Background thread].
 
 cdef extern from "<unistd.h>" nogil:
     int usleep(unsigned int usec)
@@ -1278,6 +1279,20 @@ cdef class PageAllocator:
 # be dropped under a mapper; the refill still re-checks the limit after mapping, because
 # set_limit_pages changes it under `lock` alone, before it waits for map_lock to trim the pool.
 #
+# Note [Failed unmap]
+# An unmap the driver refuses (host: ENOMEM at vm.max_map_count, where every mmap fails, even one
+# that would lower the count) must not lose the page id: before, _unmap_ids raised before the id
+# went back, so it stayed in transit for good, and its limit headroom and budget bytes with it.
+# Now the page table reports such ids instead of raising (PageTable.unmap_pages returns how many,
+# marking each mapped = 2: only unmapping may follow), and the allocator keeps them mapped and
+# counted — state pending, in retry_ids rather than the fence ring, holding their budget bytes —
+# until the next drain (background thread every 10 ms, slow takes, drain(), trim()) unmaps them.
+# The budget gate gets back exactly the pages that were unmapped. A free whose pages cannot be
+# unmapped therefore succeeds (the blocks are free); the failure shows in stats()
+# (unmap_retries, num_unmap_failures) and in the table's last_unmap_error. The same path takes
+# the page ids that the undo of a failed map could not unmap (Note [Page table]): they are never
+# put back in the free set while anything of them is still mapped.
+#
 # Note [Deferred unmap]
 # On CUDA, freeing a block only means the engine will not *queue* more work on it; kernels queued
 # before may still read it. So pages beyond the pool are not unmapped at once: return_pages records
@@ -1288,14 +1303,19 @@ cdef class PageAllocator:
 # need no fence: the engine orders a block's reuse after its last use, as with any cache.
 #
 # Note [Background thread]
-# The thread sleeps on a condition variable (woken when a take leaves the pool under min_reserved,
-# on returns that queue pending pages, and on limit/resize/stop), or at most 100 ms (10 ms while
-# unmaps are pending). Each round: drain done fences; if idle_trim_s passed with no take/return,
-# unmap the pool and release cached handles (and do not refill until the next activity);
-# otherwise refill the pool to min_reserved — ids taken from the free set under `lock`, mapped
-# with only map_lock held, and pooled under `lock` again, keeping only what the limit still
-# allows. It refreshes the free-physical-memory figure at most every 5 ms, so available_pages()
-# never calls the driver. After a failed refill it sleeps one full period before trying again.
+# The thread sleeps on a condition variable, woken when a take leaves the pool under
+# refill_target — the pool fast path and the slow path alike (a slow take empties the pool; not
+# waking there left the pool empty for half a period, 50 ms median on the H200, while every alloc
+# mapped pages itself) — on returns that queue pending pages, and on limit / resize / pool bounds
+# / stop; otherwise it wakes after 100 ms, or 10 ms while unmaps are pending or waiting for a retry
+# (Note [Failed unmap]). It never spins: with nothing to map it always sleeps. Each round: drain
+# done fences and retry failed unmaps; if idle_trim_s passed with no take/return, unmap the pool
+# and release cached handles (and do not refill until the next activity); otherwise refill the
+# pool towards refill_target (Note [Proactive refill]) — ids taken from the free set under `lock`,
+# mapped with only map_lock held, and pooled under `lock` again, keeping only what the limit and
+# max_reserved still allow. It refreshes the free-physical-memory figure at most every 5 ms, so
+# available_pages() never calls the driver. After a failed refill it sleeps one full period
+# before trying again. Tests wait on its counters (num_bg_rounds, num_refill_failures).
 #
 # Note [Proactive refill]
 # A caller that finds the pool short pays for a mapping (30 us on the H200 for one compound page,

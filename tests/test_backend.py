@@ -527,3 +527,18 @@ def test_none_and_abstract_arguments_are_refused_without_a_crash():
         _core.PageAllocator(None)
     with pytest.raises(TypeError):
         _core.BlockAllocator.dense(None, 4096)
+
+
+def test_integrated_memory_is_false_on_the_host_backend():
+    assert host_backend().integrated_memory is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_core.cuda_unavailable_reason() is not None, reason="needs a CUDA device")
+def test_integrated_memory_matches_the_device_attribute():
+    """CudaBackend.integrated_memory is CU_DEVICE_ATTRIBUTE_INTEGRATED (the layout choice reads
+    it): False on a discrete GPU such as the H200, True on a GB10 or Jetson."""
+    import torch
+
+    backend = _core.CudaBackend(0)
+    assert backend.integrated_memory is bool(torch.cuda.get_device_properties(0).is_integrated)

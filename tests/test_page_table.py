@@ -512,3 +512,51 @@ def test_random_map_unmap_matches_the_model(ops, capacity, cache_capacity, zero_
     pt.close()
     b.release_cached()
     assert b.stats()["physical_bytes"] == 0 and pool_bytes(b) == 0
+
+
+def test_close_racing_with_an_allocator_never_recycles_a_handle_twice():
+    """close() and the page allocator's unmaps both read and clear a page's handles; both run
+    under the table's lock, so a handle goes back to the backend exactly once (recycled twice,
+    two pages would share one allocation). Afterwards the allocator's maps are refused."""
+    import threading
+
+    from kvcached._core import PageAllocator
+
+    from _stacks import GRANULARITY
+
+    for _ in range(20):
+        b = _core.HostBackend(GRANULARITY, 64 * GRANULARITY)
+        b.set_handle_cache_capacity(0)              # every recycle is a release: twice would show
+        ranges = [b.reserve(16 * GRANULARITY) for _ in range(3)]
+        pt = _core.PageTable(b, [(r, 0) for r in ranges], GRANULARITY, 16)
+        pages = PageAllocator(pt, min_reserved=0, max_reserved=0, idle_trim_s=0)
+        started = threading.Event()
+        errors = []
+
+        def churn():
+            try:
+                while True:
+                    ids = pages.take(4)
+                    started.set()
+                    if ids is None:
+                        continue
+                    pages.give_back(ids)
+            except KVCachedError:
+                pass                                # the table was closed: maps are refused
+            except BaseException as exc:             # pragma: no cover - reported below
+                errors.append(exc)
+            finally:
+                started.set()
+
+        t = threading.Thread(target=churn)
+        t.start()
+        assert started.wait(30)
+        pt.close()
+        t.join(30)
+        assert not t.is_alive() and not errors, errors
+        assert pt.num_mapped == 0
+        pages.drain()
+        b.release_cached()
+        assert b.physical_bytes == 0, f"physical bytes {b.physical_bytes}: a handle was released twice or leaked"
+        assert b.num_creates == b.num_releases
+        assert pool_bytes(b) == 0
