@@ -462,3 +462,44 @@ def test_every_layout_through_kvcached_on_cuda(kv_env, layout, kv_layout):
         torch.cuda.synchronize()
         assert_close(out, batch.expected(None), 2e-2)
     manager.free(ids)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernels_run_while_the_cache_base_page_is_unmapped(kv_env, layout):
+    """The page at a cache's base address is unmapped while it holds no live block; Triton's
+    launcher refuses such a tensor (See Note [Cache base address]), so the kernels must not hand
+    it one. Blocks on later pages are written and read as usual."""
+    from cuda.bindings import driver
+
+    from kvcached._core import cuda_unavailable_reason
+
+    if cuda_unavailable_reason() is not None:
+        pytest.skip(cuda_unavailable_reason())
+    kv_env(LAYOUT=layout, ZERO_PAGE=0, MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0)
+    init_kvcached(device="cuda:0")
+    block_size, kv_heads, head_dim, heads, num_layers, num_blocks = 16, 8, 128, 32, 2, 4096
+    kv = alloc_kv_cache((2, num_blocks, block_size, kv_heads, head_dim), block_size, torch.bfloat16, "cuda:0",
+                        num_layers)
+    manager = KVCacheManager(num_blocks, block_size, kv_heads * head_dim * 2, num_layers)
+    probe = manager.alloc(1)
+    blocks_per_page = manager.get_page_occupancy()[0][1]
+    manager.free(probe)
+    first_page = manager.alloc(blocks_per_page)
+    seq_lens = [33, 300, 1]
+    ids = manager.alloc(sum(-(-n // block_size) for n in seq_lens))
+    manager.free(first_page)
+    manager.trim()
+    torch.cuda.synchronize()
+    assert 0 not in manager.get_page_occupancy()
+    status, _ = driver.cuPointerGetAttribute(driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                             kv[0][0].data_ptr())
+    assert status != driver.CUresult.CUDA_SUCCESS, "the base page is still mapped: the test proves nothing"
+    for layer in range(num_layers):
+        k_cache, v_cache = kv[layer][0], kv[layer][1]
+        batch = Batch(k_cache, v_cache, "NHD", ids, seq_lens, [1] * len(seq_lens), heads, seed=layer)
+        out = paged_decode(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.scale)
+        torch.cuda.synchronize()
+        assert_close(out, batch.expected(None), 2e-2)
+    manager.free(ids)

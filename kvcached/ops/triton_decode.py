@@ -25,7 +25,7 @@ _TILE_BYTES = 16 << 10          # one K (or V) tile of BLOCK_N x D_PAD elements 
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, m_part_ptr, l_part_ptr, o_part_ptr,
+def _decode_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, out_ptr, m_part_ptr, l_part_ptr, o_part_ptr,
                    scale_log2, window,
                    sq_seq, sq_head, sq_dim,
                    sk_block, sk_token, sk_head, sk_dim,
@@ -33,7 +33,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, seq_lens_ptr, out_ptr, m_part
                    s_table, so_seq, so_head, so_dim,
                    GROUP: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, CACHE_DTYPE: tl.constexpr):
+    # See Note [Cache base address].
+    k_ptr = k_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
+    v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,6 +118,15 @@ def _combine_kernel(m_part_ptr, l_part_ptr, o_part_ptr, out_ptr, so_seq, so_head
              mask=dims < HEAD_DIM)
 
 
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+def cache_address(cache: torch.Tensor) -> tuple[int, object]:
+    """(base address as an int, its triton element type): how a cache reaches a kernel.
+    See Note [Cache base address]."""
+    return cache.data_ptr(), _TL_DTYPES[cache.dtype]
+
+
 def device_of(tensor: torch.Tensor):
     """The CUDA device context of a launch (none for CPU tensors under the interpreter)."""
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
@@ -160,13 +172,15 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     stages = {"num_warps": 4, "num_stages": 3} if query.is_cuda else {}
     with device_of(query):
         _decode_kernel[(batch, geometry.num_kv_heads, splits)](
-            query, k_cache, v_cache, block_tables, seq_lens, out, m_part, l_part, o_part,
+            query, cache_address(k_cache)[0], cache_address(v_cache)[0], block_tables, seq_lens, out,
+            m_part, l_part, o_part,
             scale * LOG2_E, sliding_window or 0,
             *query.stride(), *geometry.k_strides, *geometry.v_strides, block_tables.stride(0), *out.stride(),
             GROUP=group, Q_ROWS=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_PAD=d_pad,
             BLOCK_SIZE=geometry.block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
             USE_WINDOW=sliding_window is not None,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32", **stages)
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            CACHE_DTYPE=cache_address(k_cache)[1], **stages)
         if splits > 1:
             _combine_kernel[(batch, heads)](
                 m_part, l_part, o_part, out, *out.stride(), heads,
@@ -194,3 +208,13 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # multiprocessor. H200, 2026-11-30, 8 KV heads x 128, bf16, 1024 tokens, GB/s of K/V read
 # (copy rate 4264): 16 sequences 1834 unsplit, 2602 with 3 splits, 2620 with 4; 64 sequences
 # 3949 unsplit, 3628 with 2, 3282 with 4; 500 sequences 4329 unsplit, 4056 with 2.
+#
+# Note [Cache base address]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~
+# Triton's launcher checks every tensor argument with cuPointerGetAttribute and refuses one whose
+# address the driver does not know ("Pointer argument cannot be accessed from Triton"). A kvcached
+# cache's base address is the start of a virtual reservation, and the page there is mapped only
+# while it holds live blocks (right after creation, after a trim, or when the first blocks handed
+# out sit on a later page, it is not). The kernels therefore take the caches' base addresses as
+# int64 and cast them to pointers inside: only the blocks named by the tables are dereferenced,
+# and those are mapped by contract.

@@ -10,14 +10,18 @@ import triton  # type: ignore[import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from ._args import CacheGeometry
-from .triton_decode import device_of
+from .triton_decode import cache_address, device_of
 
 
 @triton.jit
-def _write_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+def _write_kernel(key_ptr, value_ptr, k_cache_addr, v_cache_addr, slot_ptr,
                   skt, skh, skd, svt, svh, svd,
                   ck_block, ck_token, ck_head, ck_dim, cv_block, cv_token, cv_head, cv_dim,
-                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  CACHE_DTYPE: tl.constexpr):
+    # See Note [Cache base address] in triton_decode.
+    k_cache_ptr = k_cache_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
+    v_cache_ptr = v_cache_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -38,7 +42,7 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     tokens, heads = key.shape[0], key.shape[1]
     with device_of(k_cache):
         _write_kernel[(tokens, heads)](
-            key, value, k_cache, v_cache, slot_mapping,
+            key, value, cache_address(k_cache)[0], cache_address(v_cache)[0], slot_mapping,
             *key.stride(), *value.stride(), *geometry.k_strides, *geometry.v_strides,
             BLOCK_SIZE=geometry.block_size, HEAD_DIM=geometry.head_dim,
-            D_PAD=triton.next_power_of_2(geometry.head_dim))
+            D_PAD=triton.next_power_of_2(geometry.head_dim), CACHE_DTYPE=cache_address(k_cache)[1])
