@@ -221,7 +221,7 @@ def test_slow_path_wakes_the_refill_thread(stack_factory):
     s.pages.start()
     gaps = []
     for _ in range(21):
-        assert wait_for(lambda: (lambda st: st["reserved"] >= 2 and st["transit"] == 0)(s.pages.stats()))
+        assert wait_for(lambda: s.pages.stats()["reserved"] >= 2 and s.pages.stats()["transit"] == 0)
         wait_rounds(s.pages, 1)                       # the thread is asleep in its period now
         slow = s.pages.stats()["num_slow_path"]
         ids = s.pages.take(s.pages.max_reserved + 2)  # the whole pool and more: the slow path

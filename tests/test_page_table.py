@@ -514,6 +514,22 @@ def test_random_map_unmap_matches_the_model(ops, capacity, cache_capacity, zero_
     assert b.stats()["physical_bytes"] == 0 and pool_bytes(b) == 0
 
 
+def _churn_until_closed(pages, started, errors) -> None:
+    """Take and give back pages (each a map and an unmap) until the table refuses to map."""
+    try:
+        while True:
+            ids = pages.take(4)
+            started.set()
+            if ids is not None:
+                pages.give_back(ids)
+    except KVCachedError:
+        pass                                        # the table was closed: maps are refused
+    except Exception as exc:  # noqa: BLE001 - anything but the closed error fails the test
+        errors.append(exc)
+    finally:
+        started.set()
+
+
 def test_close_racing_with_an_allocator_never_recycles_a_handle_twice():
     """close() and the page allocator's unmaps both read and clear a page's handles; both run
     under the table's lock, so a handle goes back to the backend exactly once (recycled twice,
@@ -530,25 +546,8 @@ def test_close_racing_with_an_allocator_never_recycles_a_handle_twice():
         ranges = [b.reserve(16 * GRANULARITY) for _ in range(3)]
         pt = _core.PageTable(b, [(r, 0) for r in ranges], GRANULARITY, 16)
         pages = PageAllocator(pt, min_reserved=0, max_reserved=0, idle_trim_s=0)
-        started = threading.Event()
-        errors = []
-
-        def churn():
-            try:
-                while True:
-                    ids = pages.take(4)
-                    started.set()
-                    if ids is None:
-                        continue
-                    pages.give_back(ids)
-            except KVCachedError:
-                pass                                # the table was closed: maps are refused
-            except BaseException as exc:             # pragma: no cover - reported below
-                errors.append(exc)
-            finally:
-                started.set()
-
-        t = threading.Thread(target=churn)
+        started, errors = threading.Event(), []
+        t = threading.Thread(target=_churn_until_closed, args=(pages, started, errors))
         t.start()
         assert started.wait(30)
         pt.close()
