@@ -213,7 +213,8 @@ def role_writer(args: argparse.Namespace) -> None:
 def role_busy(args: argparse.Namespace) -> None:
     """Publish flat out, with the watcher on, until stdin closes; answer each ``report`` line with
     ``{"publishes", "detached"}`` (why the tracker stopped writing its file, or null)."""
-    tracker = MemInfoTracker(args.name, capacity_bytes=1 << 30)
+    tracker = MemInfoTracker(args.name, capacity_bytes=1 << 30,
+                             heartbeat_interval_s=args.heartbeat_s)
     tracker.start_watcher(ModelManager(-1, 0).apply)
     print("READY", flush=True)
     publishes = 0
@@ -319,6 +320,7 @@ def main() -> None:
     p.set_defaults(run=role_hold)
     p = sub.add_parser("busy")
     p.add_argument("name")
+    p.add_argument("--heartbeat-s", type=float, default=0.1)
     p.set_defaults(run=role_busy)
     p = sub.add_parser("writer")
     p.add_argument("name")

@@ -239,6 +239,19 @@ def test_normal_exit_unlinks():
     assert not os.path.exists(path)
 
 
+@pytest.mark.parametrize("attempt", range(3))
+def test_sigterm_in_the_middle_of_a_write_still_kills_and_unlinks(attempt):
+    """The main thread publishes flat out (inside the write lock most of the time) while the
+    background thread beats every millisecond (waiting for that lock): SIGTERM must still end
+    the process at once, segment removed, instead of waiting on a thread that waits on it."""
+    name = unique_name("termwrite")
+    with Proc("busy", name, "--heartbeat-s", "0.001") as busy:
+        path = read_segment(name).path
+        status = busy.kill(signal.SIGTERM, timeout_s=30)
+    assert status == -signal.SIGTERM
+    assert not os.path.exists(path)
+
+
 class Recorder:
     def __init__(self, status: str = "applied") -> None:
         self.calls, self.status = [], status
