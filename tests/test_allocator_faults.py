@@ -266,6 +266,10 @@ def test_unmap_failure_at_vm_max_map_count_is_retried():
     every page id comes back."""
     from _backends import run_child
 
+    with open("/proc/sys/vm/max_map_count") as f:
+        limit = int(f.read())
+    if limit > 1 << 18:
+        pytest.skip(f"vm.max_map_count={limit}: too many mappings to reach in a test (65530 is the default)")
     result = run_child(_MAX_MAP_COUNT_SCRIPT, timeout=300)
     detail = f"rc={result.returncode}\nstdout={result.stdout}\nstderr={result.stderr[-3000:]}"
     assert result.returncode == 0, detail

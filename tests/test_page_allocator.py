@@ -181,7 +181,7 @@ def test_background_thread_refills_and_stops_promptly(stack_factory):
     s.pages.check_invariants()
     t0 = time.monotonic()
     s.pages.stop()
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 10.0               # woken, not waiting out its period (generous bound)
     assert not s.pages.running
     assert s.pages.last_error is None
 
