@@ -652,8 +652,8 @@ class Budget:
         seg = self._seg
         seg.lock()
         try:
-            seg.head()
             if dead:
+                seg.head()  # still a budget: only then free slots in it
                 seg.reclaim(dead)
             budget, held = seg.head()
             slot = seg.slot(self._slot)
