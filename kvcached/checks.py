@@ -23,7 +23,7 @@ def as_int(value: object, name: str, *, minimum: int | None = None, maximum: int
     number = None
     if not isinstance(value, bool) and not (hasattr(value, "dtype") and str(value.dtype) == "bool"):
         try:
-            number = operator.index(value)
+            number = operator.index(value)  # type: ignore[arg-type]  # checked by the except
         except TypeError:
             number = None
     if number is None or (minimum is not None and number < minimum) or (maximum is not None and number > maximum):

@@ -2,7 +2,8 @@
 # The GPU machine's check, run unattended from the repo root (offline):
 #   build in place, the `gpu` tests, the whole CPU suite, then the benchmarks on the GPU:
 #   bench_vmm, bench_alloc, bench_manager (JSON in $OUT), the pytest-benchmark suite
-#   ($OUT/bench_<date>_<commit>.json), and bench_handover / bench_sharing when they exist.
+#   ($OUT/bench_<date>_<commit>.json), and bench_handover / bench_sharing / bench_layout /
+#   bench_serve when they exist; the demo's PNG lands in $OUT too.
 #   About 5-7 minutes on the H200.
 # Every step logs to $OUT/<step>.log; a failing step does not stop the next; a summary ends it and
 # the exit status is the number of failed steps (0 = all passed).
@@ -95,7 +96,15 @@ EOF
 }
 
 step_demo() {
-    "$PYTHON" -m kvcached.demo
+    "$PYTHON" -m kvcached.demo --quick --out "$OUT/demo.png"
+}
+
+step_bench_layout() {
+    "$PYTHON" benchmarks/bench_layout.py --device cuda --out "$OUT/bench_layout.json"
+}
+
+step_bench_serve() {
+    "$PYTHON" benchmarks/bench_serve.py --device cuda --out "$OUT/bench_serve.json"
 }
 
 step_bench_handover() {
@@ -108,7 +117,7 @@ step_bench_sharing() {
 
 STEPS=(env build demo gpu_tests cpu_tests bench_vmm bench_alloc bench_manager pytest_bench)
 # others' benchmarks, when they exist
-for optional in bench_handover bench_sharing; do
+for optional in bench_handover bench_sharing bench_layout bench_serve; do
     [[ -f "benchmarks/$optional.py" ]] && STEPS+=("$optional")
 done
 # GPU_CHECK_STEPS="gpu_tests bench_vmm" runs a subset (e.g. when already built).
