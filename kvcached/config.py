@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from .errors import KVCachedConfigError
 from .sizes import SIZE_HELP, parse_size
@@ -138,7 +138,7 @@ class Settings:
 
 
 def _read(environ: dict[str, str]) -> Settings:
-    values = {}
+    values: dict[str, Any] = {}
     for setting in SETTINGS:
         raw = environ.get(setting.name)
         if raw is None:

@@ -11,11 +11,16 @@ import logging
 import os
 import threading
 import weakref
+from typing import TYPE_CHECKING
 
 from . import config, runtime
 from .checks import as_int
 from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
 from .mem_info_tracker import I64_MAX, NO_LIMIT, MemInfoTracker, classify_limit_request
+
+if TYPE_CHECKING:
+    from ._core import BlockAllocator, PageAllocator
+    from .budget import Budget
 
 logger = logging.getLogger("kvcached")
 
@@ -60,6 +65,12 @@ class KVCacheManager:
     async_sched=True. A failed constructor leaves nothing behind.
     """
 
+    _pages: PageAllocator                   # set by _build; absent if construction failed first
+    _blocks: BlockAllocator
+    _budget: Budget | None
+    _tracker: MemInfoTracker | None
+    _publisher: threading.Thread | None
+
     def __init__(self, num_blocks: int, block_size: int, cell_size: int, num_layers: int, world_size: int = 1,
                  pp_rank: int = 0, async_sched: bool = False, reserve_null_block: bool = False,
                  num_kv_buffers: int = 2, group_id: int = 0, pool_name: str | None = None):
@@ -88,11 +99,11 @@ class KVCacheManager:
         self.group_id = group_id
         self.pool_name = pool_name
         self.block_bytes = block_size * cell_size
-        self.null_block = None
+        self.null_block: int | None = None
         self._closed_reason: str | None = "the manager is being constructed"
         self._forked = False
         self._pid = os.getpid()
-        self._pages = self._blocks = self._budget = self._tracker = self._publisher = None
+        self._budget = self._tracker = self._publisher = None
         self._closed = threading.Event()          # stops the publisher
         self._limit_lock = threading.Lock()
         self._limit_bytes = NO_LIMIT
@@ -206,9 +217,10 @@ class KVCacheManager:
     def _bind_hot_path(self) -> None:
         """See Note [Hot path binding]."""
         blocks = self._blocks
-        self.alloc, self.free = blocks.alloc, blocks.free
-        self.alloc_into, self.free_from = blocks.alloc_into, blocks.free_from
-        self.available_size = blocks.available_blocks if self._budget is None else self._available_within_budget
+        self.alloc, self.free = blocks.alloc, blocks.free  # type: ignore[method-assign]
+        self.alloc_into, self.free_from = blocks.alloc_into, blocks.free_from  # type: ignore[method-assign]
+        self.available_size = (  # type: ignore[method-assign]
+            blocks.available_blocks if self._budget is None else self._available_within_budget)
 
     def _check_open(self) -> None:
         if self._closed_reason is not None:
@@ -249,7 +261,7 @@ class KVCacheManager:
     def _available_within_budget(self) -> int:
         """available_size under a global budget: pages to be mapped need budget bytes, pooled
         ones already hold theirs. One lock-free read of the shared total. O(log pages)."""
-        return self._blocks.available_blocks(self._budget.free_bytes() // self.page_bytes)
+        return self._blocks.available_blocks(self._budget.free_bytes() // self.page_bytes)  # type: ignore[union-attr]
 
     def try_to_reserve(self, n: int) -> bool:
         """Set n blocks aside (their pages mapped) for the next allocs; False if they cannot be had."""
@@ -414,9 +426,10 @@ class KVCacheManager:
                 failing = False
 
     def _publish(self) -> None:
+        tracker = self._tracker
+        assert tracker is not None, "the publisher runs only with a tracker"
         stats = self._pages.stats()
-        self._tracker.publish(stats["in_use"] * self.page_bytes,
-                              (stats["reserved"] + stats["pending_unmap"]) * self.page_bytes)
+        tracker.publish(stats["in_use"] * self.page_bytes, (stats["reserved"] + stats["pending_unmap"]) * self.page_bytes)
         with self._limit_lock:
             if self._closed_reason is not None:
                 return
@@ -426,8 +439,8 @@ class KVCacheManager:
             # The watcher records its answer after _apply_limit returned, so it may overwrite a
             # flip to "applied" made in between: the segment is reconciled here. See Note [Limits].
             state = (self._limit_bytes, self._limit_revision, self._limit_status)
-            if self._tracker.recorded_limit() != state:
-                self._tracker.set_limit(*state)
+            if tracker.recorded_limit() != state:
+                tracker.set_limit(*state)
 
     def close(self) -> None:
         """Stop the background threads, free every block, unmap every page of this manager and
@@ -469,9 +482,9 @@ class KVCacheManager:
             self._publisher.join()
         if self._tracker is not None:
             step(self._tracker.close)           # joins the watcher: no limit is applied after this
-        if self._blocks is not None:
+        if hasattr(self, "_blocks"):
             step(self._blocks.close)            # frees every block; stops the refill thread, unmaps every page
-        elif self._pages is not None:
+        elif hasattr(self, "_pages"):
             step(self._pages.close)
         if self._budget is not None:
             step(self._budget.close)

@@ -93,6 +93,14 @@ class KVLayout:
     """
 
     name = ""
+    num_pages: int                      # set by _plan, with the attributes below
+    map_bytes: int
+    page_first_block: np.ndarray
+    page_num_blocks: np.ndarray
+    id_to_page_num: int
+    id_to_page_den: int
+    max_block_id: int
+    usable_blocks: int
 
     def __init__(self, num_layers: int, num_kv_buffers: int, block_bytes: int, page_bytes: int,
                  num_blocks: int, granularity: int):

@@ -16,11 +16,16 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from . import config
 from .checks import as_int
 from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
-from .layout import choose_layout, make_layout
+from .layout import KVLayout, choose_layout, make_layout
+
+if TYPE_CHECKING:
+    from ._core import Backend, PageTable
+    from .kv_cache_manager import KVCacheManager
 
 logger = logging.getLogger("kvcached")
 
@@ -35,17 +40,17 @@ class KVGroup:
     """The elastic storage of one group_id: its layout, ranges, page table and tensors."""
 
     group_id: int
-    layout: object                      # kvcached.layout.KVLayout
+    layout: KVLayout
     layout_reason: str
     ranges: list
-    page_table: object                  # kvcached._core.PageTable
+    page_table: PageTable
     tensors: list | None = field(default=None, repr=False)   # repr would read unmapped rows: segfault
-    managers: list = field(default_factory=list)
+    managers: list[KVCacheManager] = field(default_factory=list)
 
 
 @dataclass
 class _Runtime:
-    backend: object                     # kvcached._core.Backend
+    backend: Backend
     device: str
     page_bytes: int
     tp_rank: int
@@ -173,8 +178,10 @@ def runtime() -> _Runtime:
     with _lock:
         if _runtime is None:
             init_kvcached()
-        _check_usable(_runtime)
-        return _runtime
+        rt = _runtime
+        assert rt is not None
+        _check_usable(rt)
+        return rt
 
 
 def _shape_kind(kvcache_shape, block_size: int, attention_type: str, kv_layout: str):
