@@ -6,7 +6,8 @@ static torch cache, transformers' own continuous batching as the anchor, and the
 
 Prints three tables:
 1. decode step: median time of one decode step of `batch` requests (every request one new token,
-   contexts of --prompt tokens), static cache vs kvcached, and tokens/s = batch / step time;
+   contexts of --prompt tokens), static cache vs kvcached in alternating rounds, and
+   tokens/s = batch / step time;
 2. end to end: --requests requests of --prompt + --new tokens, greedy, tokens/s of the loop over
    each cache and of ``model.generate_batch`` (transformers' paged cache with its built-in sdpa
    attention, on the same weights) where this transformers runs it;
@@ -45,6 +46,7 @@ class Setup:
     batches: list[int]
     prompt: int
     steps: int
+    rounds: int
     requests: int
     new: int
     page_bytes: int | None          # None: the default (KVCACHED_PAGE_SIZE_MB)
@@ -54,14 +56,14 @@ class Setup:
 
 def setup_from(args) -> Setup:
     if args.quick:
-        return Setup("cpu", "tiny", torch.float32, [1, 4], 8, 3, 4, 8, 64 << 10, 16, 1)
+        return Setup("cpu", "tiny", torch.float32, [1, 4], 8, 3, 2, 4, 8, 64 << 10, 16, 1)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     batches = [int(b) for b in args.batches.split(",")]
     if cuda:
-        return Setup("cuda:0", "llama3-8b", torch.bfloat16, batches, args.prompt, args.steps, args.requests,
-                     args.new, None, args.budget_pages, None)
-    return Setup("cpu", "tiny", torch.float32, batches, args.prompt, args.steps, args.requests, args.new,
-                 64 << 10, args.budget_pages, 1)
+        return Setup("cuda:0", "llama3-8b", torch.bfloat16, batches, args.prompt, args.steps, args.rounds,
+                     args.requests, args.new, None, args.budget_pages, None)
+    return Setup("cpu", "tiny", torch.float32, batches, args.prompt, args.steps, args.rounds, args.requests,
+                 args.new, 64 << 10, args.budget_pages, 1)
 
 
 def sync(device: str) -> None:
@@ -113,11 +115,16 @@ def decode_step_times(model, cache, setup: Setup, batch: int) -> list[float]:
 
 
 def bench_decode(model, caches, setup: Setup) -> list[dict]:
+    """Per batch size, setup.rounds rounds alternating which cache goes first (host-side drift
+    falls on both), the median over every timed step of a cache."""
     rows = []
+    names = list(caches)
     for batch in setup.batches:
-        row = {"batch": batch}
-        for name, cache in caches.items():
-            row[name] = statistics.median(decode_step_times(model, cache, setup, batch))
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for round_ in range(setup.rounds):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                times[name] += decode_step_times(model, caches[name], setup, batch)
+        row = {"batch": batch, **{name: statistics.median(t) for name, t in times.items()}}
         rows.append(row)
         print(f"  batch {batch}: static {row['static'] * 1e3:.2f} ms, kvcached {row['kvcached'] * 1e3:.2f} ms",
               flush=True)
@@ -360,7 +367,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cuda (default where there is one) or cpu")
     parser.add_argument("--batches", default="1,8,32,64,128,256")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens of every request")
-    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size")
+    parser.add_argument("--steps", type=int, default=10, help="timed decode steps per batch size and round")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per batch size, alternating the caches")
     parser.add_argument("--requests", type=int, default=64, help="requests of the end-to-end run")
     parser.add_argument("--new", type=int, default=64, help="new tokens per request, end to end")
     parser.add_argument("--budget-pages", type=int, default=16, help="global budget of the handover, in page ids")
