@@ -17,6 +17,8 @@ from transformers import AttentionInterface
 
 from kvcached.ops import paged_attention, write_kv
 
+from .cache import PagedKVCache
+
 ATTENTION_NAME = "kvcached_paged"
 STEP_KWARG = "kv_step"
 
@@ -25,7 +27,7 @@ STEP_KWARG = "kv_step"
 class StepMetadata:
     """Where one packed step's tokens go and what each request attends to (ops' conventions)."""
 
-    cache: object                       # a PagedKVCache (kvcached.serving.cache)
+    cache: PagedKVCache
     slot_mapping: torch.Tensor          # [T] int64, block_id * block_size + offset
     block_tables: torch.Tensor          # [B, max_blocks] int32
     seq_lens: torch.Tensor              # [B] int32, cached tokens including this step's

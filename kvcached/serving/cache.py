@@ -115,8 +115,12 @@ class ElasticKVCache(PagedKVCache):
                                  group_id=group_id)
         self.manager = KVCacheManager(self.num_blocks, self.block_size, self.cell_bytes, self.num_layers,
                                       group_id=group_id, pool_name=pool_name)
-        self.alloc = self.manager.alloc          # one C call per alloc/free (Note [Hot path binding])
-        self.free = self.manager.free
+
+    def alloc(self, n: int) -> list[int] | None:
+        return self.manager.alloc(n)
+
+    def free(self, ids: list[int]) -> None:
+        self.manager.free(ids)
 
     def available_blocks(self) -> int:
         return self.manager.available_size()
