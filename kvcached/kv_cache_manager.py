@@ -533,7 +533,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # Note [Manager life cycle]
 # close() and shutdown_kvcached() end a manager for good: the hot-path bindings are dropped from
 # the instance (so the class's methods run and raise KVCachedClosedError) and the Cython
-# allocators are closed too, so a bound method an engine kept (`alloc = m.alloc`) raises as well.
+# allocators are closed too, so a bound method an engine kept (`alloc = m.alloc`) raises as well
+# (the core's KVCachedError, naming the same fix).
 # Without this a closed manager handed out ids that a newer manager of the group owned, and its
 # trim() unmapped pages under the newer manager's live blocks. Teardown joins the publisher, then
 # the tracker's watcher (a limit being applied finishes under _limit_lock first), then closes the
