@@ -236,7 +236,7 @@ class KVLayout:
             raise KVCachedConfigError(
                 f"shape_kind={shape_kind!r} needs num_kv_buffers={wanted_buffers}, this layout has "
                 f"{self.num_kv_buffers}; use {'mla' if self.num_kv_buffers == 1 else 'flash_attn or flashinfer'}")
-        block_shape = tuple(int(d) for d in block_shape)
+        block_shape = tuple(as_int(d, f"block_shape[{i}]", minimum=1) for i, d in enumerate(block_shape))
         if shape_kind == "mla":
             if kv_layout != "NHD":
                 raise KVCachedConfigError("kv_layout='HND' has no meaning for MLA (no head dimension); use NHD")
