@@ -90,7 +90,7 @@ def _parse_device(device) -> str:
         return "cpu"
     if text == "cuda":
         text = "cuda:0"
-    if text.startswith("cuda:") and text[5:].isdigit():
+    if text.startswith("cuda:") and text[5:].isascii() and text[5:].isdigit():
         reason = cuda_unavailable_reason()
         if reason is not None:
             raise KVCachedConfigError(f"device={device!r} needs CUDA, which is not usable here: {reason}. "

@@ -26,7 +26,7 @@ def cpu(kv_env):
     return start
 
 
-@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cpu:0", "", 3, "cuda:-1", "tpu:0"])
+@pytest.mark.parametrize("device", ["gpu", "cuda:x", "cpu:0", "", 3, "cuda:-1", "tpu:0", "cuda:٣", "cuda:0x0"])
 def test_init_bad_device(kv_env, device):
     kv_env()
     with pytest.raises(KVCachedConfigError, match="device="):
