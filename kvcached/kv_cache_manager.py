@@ -429,7 +429,8 @@ class KVCacheManager:
         tracker = self._tracker
         assert tracker is not None, "the publisher runs only with a tracker"
         stats = self._pages.stats()
-        tracker.publish(stats["in_use"] * self.page_bytes, (stats["reserved"] + stats["pending_unmap"]) * self.page_bytes)
+        tracker.publish(stats["in_use"] * self.page_bytes,
+                        (stats["reserved"] + stats["pending_unmap"]) * self.page_bytes)
         with self._limit_lock:
             if self._closed_reason is not None:
                 return

@@ -66,10 +66,6 @@ MAX_VIRTUAL_BYTES = 1 << 47     # 128 TiB: a process's address space on x86-64 (
 MAX_PAGE_SLICES = 1 << 24       # page-sized slices of all buffers: bounds the bookkeeping arrays
 
 
-def _positive_int(value, what: str, hint: str) -> int:
-    return as_int(value, what, minimum=1, hint=hint)
-
-
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -104,14 +100,14 @@ class KVLayout:
 
     def __init__(self, num_layers: int, num_kv_buffers: int, block_bytes: int, page_bytes: int,
                  num_blocks: int, granularity: int):
-        self.num_layers = _positive_int(num_layers, "num_layers", "a KV group has at least one layer")
-        self.num_kv_buffers = _positive_int(
-            num_kv_buffers, "num_kv_buffers", "use 2 for K and V, 1 for MLA's latent buffer")
-        self.block_bytes = _positive_int(
-            block_bytes, "block_bytes", "it is block_size * cell_size, the bytes of one block of one buffer")
-        self.granularity = _positive_int(granularity, "granularity", "take it from the backend")
-        self.page_bytes = _positive_int(page_bytes, "page_bytes", "set KVCACHED_PAGE_SIZE_MB >= 1")
-        self.num_blocks = _positive_int(num_blocks, "num_blocks", "ask for at least one block")
+        self.num_layers = as_int(num_layers, "num_layers", minimum=1, hint="a KV group has at least one layer")
+        self.num_kv_buffers = as_int(num_kv_buffers, "num_kv_buffers", minimum=1,
+                                     hint="use 2 for K and V, 1 for MLA's latent buffer")
+        self.block_bytes = as_int(block_bytes, "block_bytes", minimum=1,
+                                  hint="it is block_size * cell_size, the bytes of one block of one buffer")
+        self.granularity = as_int(granularity, "granularity", minimum=1, hint="take it from the backend")
+        self.page_bytes = as_int(page_bytes, "page_bytes", minimum=1, hint="set KVCACHED_PAGE_SIZE_MB >= 1")
+        self.num_blocks = as_int(num_blocks, "num_blocks", minimum=1, hint="ask for at least one block")
         if self.page_bytes % self.granularity:
             raise KVCachedConfigError(
                 f"page_bytes={self.page_bytes} is not a multiple of the backend granularity "

@@ -56,7 +56,8 @@ def check(kv, ids) -> None:
             for b in ids:
                 want = (b * NUM_LAYERS + layer) * 2 + buffer + 1
                 got = kv[layer][buffer, b]
-                assert bool((got == want).all()), f"block {b} layer {layer} buffer {buffer} changed: {got.flatten()[:4]}"
+                assert bool((got == want).all()), \
+                    f"block {b} layer {layer} buffer {buffer} changed: {got.flatten()[:4]}"
 
 
 def snapshot(m) -> dict:

@@ -61,7 +61,8 @@ def public_calls(m) -> dict:
     """One call of every public method of the manager but close(), with valid arguments."""
     ids = [0, 1]
     calls = {
-        "alloc": lambda: m.alloc(1), "free": lambda: m.free(ids), "alloc_into": lambda: m.alloc_into(np.zeros(2, np.int32)),
+        "alloc": lambda: m.alloc(1), "free": lambda: m.free(ids),
+        "alloc_into": lambda: m.alloc_into(np.zeros(2, np.int32)),
         "free_from": lambda: m.free_from(np.array(ids, np.int32)), "available_size": m.available_size,
         "try_to_reserve": lambda: m.try_to_reserve(1), "free_reserved": m.free_reserved,
         "resize": lambda: m.resize(m.page_bytes), "trim": m.trim, "clear": m.clear,
