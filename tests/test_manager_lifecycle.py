@@ -310,8 +310,6 @@ def test_bad_arguments_change_nothing(kv_env, call, match):
     assert (m.stats(), m._blocks.block_states().tolist()) == before
 
 
-@pytest.mark.xfail(strict=True, reason="BlockAllocator.alloc/free (the Cython core, bound as the manager's hot "
-                                       "path) take True as 1: refusing bools there is the core's change")
 def test_bools_are_not_counts(kv_env):
     """alloc(True), free([True]) and alloc_into of a bool buffer are refused, not taken as 1."""
     start(kv_env)
