@@ -21,6 +21,7 @@ if REPO not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kvcached.budget import read_budget  # noqa: E402
 from kvcached import (  # noqa: E402
     KVCachedClosedError,
     KVCachedError,
@@ -65,9 +66,11 @@ def snapshot(m) -> dict:
     stats = m.stats()
     pages = {k: stats["pages"][k] for k in ("free", "in_use", "reserved", "pending_unmap", "transit", "mapped",
                                             "num_maps", "num_unmaps")}
+    budget = os.environ.get("KVCACHED_GLOBAL_BUDGET")
     return {"blocks": m._blocks.block_states().tolist(), "allocated": stats["allocated"], "pages": pages,
             "mapped_ids": m._group.page_table.mapped_page_ids(),
-            "pool_file_blocks": os.fstat(runtime.runtime().backend.pool_fd).st_blocks}
+            "pool_file_blocks": os.fstat(runtime.runtime().backend.pool_fd).st_blocks,
+            "budget_held": None if budget is None else read_budget(budget).held_bytes}
 
 
 def child_calls(m, kept_alloc, kept_free, ids) -> list[str]:

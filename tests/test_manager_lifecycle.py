@@ -181,13 +181,16 @@ def run_role(role: str, env: dict, timeout_s: float = 120) -> subprocess.Complet
                           timeout=timeout_s)
 
 
-@pytest.mark.parametrize("tracker", ["0", "1"])
-def test_forked_child_leaves_the_parent_cache_alone(tracker):
+@pytest.mark.parametrize("sharing", ["none", "tracker", "budget"])
+def test_forked_child_leaves_the_parent_cache_alone(sharing, budget_name):
     """A child forked while another thread holds the runtime lock: every manager call raises,
     shutdown_kvcached() neither hangs nor touches the parent, the child can start its own
     kvcached, and its normal exit (at-exit handlers, finalisation) leaves the parent's data,
-    counters, mappings and pool file exactly as they were."""
-    done = run_role("fork", {"KVCACHED_TRACKER": tracker})
+    counters, mappings, pool file and budget share exactly as they were."""
+    env = {"KVCACHED_TRACKER": str(int(sharing == "tracker"))}
+    if sharing == "budget":
+        env.update(KVCACHED_GLOBAL_BUDGET=budget_name, KVCACHED_GLOBAL_BUDGET_BYTES=str(1 << 30))
+    done = run_role("fork", env)
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
 
 
