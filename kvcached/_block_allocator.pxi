@@ -49,12 +49,30 @@ cdef enum:
 cdef object _int32_view_source(object buf):
     # numpy arrays and anything with the buffer protocol as they are; torch CPU tensors via .numpy()
     try:
-        memoryview(buf)
-        return buf
+        view = memoryview(buf)
     except TypeError:
         if hasattr(buf, "numpy"):
-            return buf.numpy()
+            return _int32_view_source(buf.numpy())
         raise
+    if view.format.lstrip("@=<>!") == "?":      # other dtypes fail the int32 view (ValueError)
+        raise TypeError("the id buffer holds bools, not block ids; pass a contiguous int32 buffer "
+                        "(numpy.int32, torch.int32, array.array('i'))")
+    return buf
+
+
+cdef int _count(object n, str what) except? -1:
+    """A block count from an int-like n (numpy and torch ints too); bools and floats refused."""
+    if isinstance(n, bool) or getattr(n, "dtype", None) is not None and str(n.dtype) == "bool":
+        raise TypeError(f"{what}(n={n!r}): n must be an integer count, not a bool")
+    return _index(n)
+
+
+cdef long long _block_id(object item) except? -1:
+    """A block id from an int-like item that is not an exact int (numpy, torch ints); bools
+    refused. The caller checks its range."""
+    if isinstance(item, bool):
+        raise TypeError(f"block id {item!r} is a bool, not a block id; nothing was freed.")
+    return PyLong_AsLongLong(_index(item))
 
 
 cdef class BlockAllocator:
@@ -579,13 +597,13 @@ cdef class BlockAllocator:
         had (out of memory, limit, capacity) — never a partial result; state unchanged on None.
 
         Cost: O(n + pages touched); the pool fast path makes no driver call and keeps the GIL.
-        Raises ValueError for n < 0, TypeError for an n that is not an integer (1.5)."""
+        Raises ValueError for n < 0, TypeError for an n that is not an integer (1.5, True)."""
         cdef int32_t stack_ids[_STACK_IDS]
         cdef int32_t* out = stack_ids
         cdef int rc, i, count
         if self.live_token != _fork_generation:
             self._raise_unusable()
-        count = n if PyLong_CheckExact(n) else _index(n)
+        count = n if PyLong_CheckExact(n) else _count(n, "alloc")
         if count <= 0:
             if count < 0:
                 raise ValueError(f"alloc(n={count}): n must be >= 0")
@@ -643,7 +661,8 @@ cdef class BlockAllocator:
                 raise MemoryError
         try:
             for i in range(n):
-                v = PyLong_AsLongLong(<object>PyList_GET_ITEM(ids, i))
+                item = <object>PyList_GET_ITEM(ids, i)
+                v = PyLong_AsLongLong(item) if PyLong_CheckExact(item) else _block_id(item)
                 if v < 0 or v >= self.max_block_id:
                     raise BlockStateError(
                         f"block id {v} is not a block id of this allocator (valid: [0, {self.max_block_id})); nothing was freed.")
@@ -690,7 +709,7 @@ cdef class BlockAllocator:
         cdef int rc, i
         if self.live_token != _fork_generation:
             self._raise_unusable()
-        cdef int count = _index(n)
+        cdef int count = _count(n, "try_to_reserve")
         if count < 0:
             raise ValueError(f"try_to_reserve(n={count}): n must be >= 0")
         if count == 0:

@@ -16,6 +16,10 @@ mapping per segment); block = KV slot; pool = mapped but unused pages.
 
 Every cdef function says how it fails: ``except -1`` raises (driver and syscall errors), and out of
 memory is the value ``_OOM`` (1), never an exception, so callers can roll back and return None.
+Undo paths are ``except -1`` too: they go on past a failed step and raise the first failure.
+
+Every object that owns memory or locks is live, closed, or inherited by a forked child; its public
+methods check that first, with one compare (Note [Fork and close] in _driver.pxi).
 """
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t

@@ -264,3 +264,19 @@ def test_data_integrity_through_real_memory(stack_factory, segments, block_kib):
     # no two live blocks overlap in bytes (distinct ids of one size never do; spell it out)
     spans = sorted((b * block, (b + 1) * block) for b in live)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_bools_are_refused_and_numpy_ints_accepted(stack_factory):
+    s = stack_factory(num_pages=8, capacity_granules=None, block_bytes=16 * KIB)
+    ids = s.blocks.alloc(np.int64(3))
+    assert ids is not None and len(ids) == 3
+    before = state_of(s)
+    for call in (lambda: s.blocks.alloc(True), lambda: s.blocks.try_to_reserve(np.bool_(True)),
+                 lambda: s.blocks.free([True]), lambda: s.blocks.free([ids[0], False]),
+                 lambda: s.blocks.alloc_into(np.zeros(2, np.bool_)), lambda: s.blocks.free_from(np.ones(1, np.bool_))):
+        with pytest.raises(TypeError, match="bool"):
+            call()
+        assert state_of(s) == before
+    s.blocks.free([np.int32(b) for b in ids])
+    assert s.blocks.stats()["allocated"] == 0
+    s.blocks.check_invariants()
