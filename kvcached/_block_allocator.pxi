@@ -491,10 +491,21 @@ cdef class BlockAllocator:
                 pthread_mutex_lock(&self.lock)
         return 0
 
-    cdef int _run_alloc(self, int n, int32_t* out, bint use_held) except -1:
+    cdef int _hold(self, int n, const int32_t* ids) noexcept nogil:
+        # try_to_reserve: the ids just allocated become held (under lock)
+        cdef int i
+        for i in range(n):
+            self.block_state[ids[i]] = _BS_HELD
+            self.held[self.num_held] = ids[i]
+            self.num_held += 1
+        self.num_allocated -= n
+        return 0
+
+    cdef int _run_alloc(self, int n, int32_t* out, bint use_held, bint hold=False) except -1:
         """alloc's worker: the pool fast path under the lock with the GIL; else the pages are
         taken — refill wait, budget gate, driver map — without holding the lock, so frees and
-        pool-served allocs of other threads go on meanwhile (Note [Allocator locks])."""
+        pool-served allocs of other threads go on meanwhile (Note [Allocator locks]). With
+        `hold` (try_to_reserve), the ids become held before the lock is let go."""
         cdef int rc, np_new = 0, attempt, left
         cdef int64_t r, fresh_blocks, j
         cdef int32_t* fresh = NULL
@@ -504,6 +515,8 @@ cdef class BlockAllocator:
         try:
             rc = self._alloc_locked(n, out, False, use_held)
             if rc != _NEED_SLOW:
+                if rc == 0 and hold:
+                    self._hold(n, out)
                 return rc
             fresh = <int32_t*>malloc(max(1, self.num_pages) * sizeof(int32_t))
             if fresh == NULL:
@@ -525,6 +538,8 @@ cdef class BlockAllocator:
                     if rc == _NEED_SLOW:
                         self.num_failed_allocs += 1
                         return _OOM
+                    if rc == 0 and hold:
+                        self._hold(n, out)
                     return rc
                 if self.live_token != _fork_generation:           # closed while we mapped
                     with nogil:
@@ -542,6 +557,8 @@ cdef class BlockAllocator:
                     else:
                         memcpy(self.page_buf, fresh, np_new * sizeof(int32_t))
                         left = self._place(n, n - <int>r, np_new, out)
+                    if hold:
+                        self._hold(n, out)
                     if left:
                         self._return_pages(left)
                     return 0
@@ -552,6 +569,8 @@ cdef class BlockAllocator:
             # still overtaken: map under the lock, where nobody can take the slots away
             with nogil:
                 rc = self._alloc_locked(n, out, True, use_held)
+            if rc == 0 and hold:
+                self._hold(n, out)
             return rc
         finally:
             if locked:
@@ -718,20 +737,7 @@ cdef class BlockAllocator:
         if out == NULL:
             raise MemoryError
         try:
-            self._lock()
-            try:
-                rc = self._alloc_locked(count, out, False, False)
-                if rc == _NEED_SLOW:
-                    with nogil:
-                        rc = self._alloc_locked(count, out, True, False)
-                if rc == 0:
-                    for i in range(count):
-                        self.block_state[out[i]] = _BS_HELD
-                        self.held[self.num_held] = out[i]
-                        self.num_held += 1
-                    self.num_allocated -= count
-            finally:
-                pthread_mutex_unlock(&self.lock)
+            rc = self._run_alloc(count, out, False, True)
         finally:
             free(out)
         return rc == 0
@@ -946,7 +952,7 @@ cdef class BlockAllocator:
 # pages still cover what it needs — frees may have made some unnecessary (given back at once),
 # other allocs may have taken the free slots it counted on (then it gives the pages back and tries
 # once more, and after that maps under the lock, so it cannot be overtaken for ever). try_to_reserve
-# still maps under the lock. Lock order: BlockAllocator.lock -> PageAllocator.map_lock ->
+# takes the same path, its ids turned held before the lock is let go. Lock order: BlockAllocator.lock -> PageAllocator.map_lock ->
 # PageAllocator.lock -> Backend._lock; PageAllocator.lock is never held across a driver or Python
 # call, so it may be waited on with the GIL held.
 #

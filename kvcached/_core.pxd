@@ -339,7 +339,8 @@ cdef class BlockAllocator:
     cdef int _raise_unusable(self) except -1                                         # always raises KVCachedError
     cdef int _check_not_forked(self) except -1
     cdef int _clear_locked(self) except -1
-    cdef int _run_alloc(self, int n, int32_t* out, bint use_held) except -1          # 0 / _OOM; GIL held
+    cdef int _run_alloc(self, int n, int32_t* out, bint use_held, bint hold=*) except -1   # 0 / _OOM; GIL held
+    cdef int _hold(self, int n, const int32_t* ids) noexcept nogil
     cdef int _place(self, int n, int h, int np_new, int32_t* out) noexcept nogil     # -> unneeded new pages, in page_buf
     cdef int _run_free(self, int n, const int32_t* ids) except -1                    # raises BlockStateError; GIL held
     cdef int _return_pages(self, int ne) except -1                                   # page_buf[0..ne) back; never raises past the free

@@ -5,6 +5,7 @@ import random
 import threading
 
 import numpy as np
+import pytest
 
 KIB = 1 << 10
 
@@ -82,7 +83,8 @@ def test_eight_threads_churn(stack_factory):
     assert s.pages.stats()["mapped"] == s.pages.stats()["reserved"]
 
 
-def test_free_does_not_wait_behind_another_threads_mapping(stack_factory):
+@pytest.mark.parametrize("mapper", ["alloc", "try_to_reserve"])
+def test_free_does_not_wait_behind_another_threads_mapping(stack_factory, mapper):
     """An alloc that maps (here: held up in the budget gate, as it would be in a slow driver
     call) does not hold the allocator's lock: a free, and an alloc served by owned pages, finish
     meanwhile. The gate waits on an event, so nothing depends on timing but a generous bound."""
@@ -96,8 +98,12 @@ def test_free_does_not_wait_behind_another_threads_mapping(stack_factory):
     keep = s.blocks.alloc(6)                     # pages 0 and 1 (4 blocks each), 2 slots free
     s.pages.set_budget_gate(acquire, lambda nbytes: None)
     result = {}
-    mapper = threading.Thread(target=lambda: result.setdefault("big", s.blocks.alloc(8)))
-    mapper.start()
+    if mapper == "alloc":
+        thread = threading.Thread(target=lambda: result.setdefault("big", s.blocks.alloc(8)))
+    else:
+        thread = threading.Thread(target=lambda: result.setdefault(
+            "big", s.blocks.alloc(8) if s.blocks.try_to_reserve(8) else None))
+    thread.start()
     try:
         assert entered.wait(60), "the alloc never reached the gate"
         done = threading.Event()
@@ -112,7 +118,7 @@ def test_free_does_not_wait_behind_another_threads_mapping(stack_factory):
         assert not release.is_set() and result["small"] is not None
     finally:
         release.set()
-        mapper.join(60)
+        thread.join(60)
     assert result["big"] is not None and len(result["big"]) == 8
     live = set(keep[3:]) | set(result["small"]) | set(result["big"])
     assert len(live) == 3 + 2 + 8
