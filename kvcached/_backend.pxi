@@ -56,7 +56,7 @@ cdef class Backend:
     Lock rule: the handle cache, the counters and the fault countdowns are guarded by `_lock`,
     taken inside the nogil methods; callers need no lock of their own.
 
-    In a forked child every method raises KVCachedError (Note [Fork and close]).
+    In a forked child every method raises KVCachedClosedError (Note [Fork and close]).
     """
 
     def __cinit__(self, *args, **kwargs):
@@ -74,7 +74,7 @@ cdef class Backend:
             pthread_mutex_destroy(&self._lock)
 
     cdef int _check_live(self) except -1 nogil:
-        """Raise KVCachedError in a forked child (Note [Fork and close]); 0 otherwise."""
+        """Raise KVCachedClosedError in a forked child (Note [Fork and close]); 0 otherwise."""
         if self.live_token == _fork_generation:
             return 0
         with gil:

@@ -86,7 +86,7 @@ cdef class BlockAllocator:
     page" are a bit scan and every step is O(1) (Note [Block placement]).
 
     Thread-safe: one lock, see Note [Allocator locks]. After close(), and in a forked child,
-    every method raises KVCachedError (Note [Fork and close]).
+    every method raises KVCachedClosedError (Note [Fork and close]).
     """
 
     def __cinit__(self, *args, **kwargs):
@@ -261,7 +261,7 @@ cdef class BlockAllocator:
     def close(self):
         """Free every allocated and held block, then close the page allocator (stop its thread,
         unmap its pool and pending pages, drop its budget gate). Afterwards every method raises
-        KVCachedError; ids handed out before are no longer this allocator's. Idempotent; does
+        KVCachedClosedError; ids handed out before are no longer this allocator's. Idempotent; does
         nothing in a forked child (Note [Fork and close]). Raises the first failure of the
         teardown, the allocator closed all the same. Holds the lock throughout, so a call racing
         with close() either finishes before it or sees the allocator closed."""
@@ -841,7 +841,7 @@ cdef class BlockAllocator:
 
     def stats(self) -> dict:
         """Block counts and counters, with the page allocator's stats under "pages". Answers on a
-        closed allocator (the final figures); raises KVCachedError in a forked child."""
+        closed allocator (the final figures); raises KVCachedClosedError in a forked child."""
         self._check_not_forked()
         self._lock()
         try:

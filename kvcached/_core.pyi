@@ -140,7 +140,7 @@ class Backend:
         """Device memory is host memory (CU_DEVICE_ATTRIBUTE_INTEGRATED); False for the host backend."""
     @property
     def lifecycle(self) -> Literal["live", "forked"]:
-        """"forked" when inherited by a forked child: then every method raises KVCachedError."""
+        """"forked" when inherited by a forked child: then every method raises KVCachedClosedError."""
 
     def reserve(self, size_bytes: int) -> VirtualRange:
         """Reserve a virtual range of `size_bytes` (multiple of granularity); raises MappingError if not."""
@@ -286,7 +286,7 @@ class PageTable:
         """The latest of them."""
 
     def map(self, page_ids: _PageIds) -> bool:
-        """Map the page ids, all or nothing; False (nothing changed) when out of memory; KVCachedError when closed."""
+        """Map the page ids, all or nothing; False (nothing changed) when out of memory; KVCachedClosedError when closed."""
     def unmap(self, page_ids: _PageIds) -> None:
         """Unmap the page ids; MappingError (nothing changed) for an id out of range, repeated or unmapped;
         DriverError when the driver refused some (those stay mapped: unmap them again)."""
@@ -299,7 +299,7 @@ class PageTable:
     def segment_addresses(self, page_id: int) -> list[int]:
         """Where each mapping of `page_id` lies (addresses)."""
     def close(self) -> None:
-        """Unmap every page id and the zero page, then close (map raises KVCachedError); idempotent; no-op in a forked child."""
+        """Unmap every page id and the zero page, then close (map raises KVCachedClosedError); idempotent; no-op in a forked child."""
     def check_invariants(self) -> None:
         """O(pages · segments) consistency check; raises AssertionError."""
 
@@ -357,7 +357,7 @@ class PageAllocator:
     """Last exception caught off the caller's path (background thread, returning pages after a free), or None."""
     @property
     def lifecycle(self) -> _Lifecycle:
-        """"closed" after close(), "forked" in a forked child: then methods raise KVCachedError."""
+        """"closed" after close(), "forked" in a forked child: then methods raise KVCachedClosedError."""
 
     def available_pages(self, max_new_pages: SupportsIndex = -1) -> int:
         """Pages take() could deliver now (pool + what free ids, memory, limit and max_new_pages allow); O(1)."""
@@ -449,10 +449,10 @@ class BlockAllocator:
     """Run check_invariants() after every public call."""
     @property
     def lifecycle(self) -> _Lifecycle:
-        """"closed" after close(), "forked" in a forked child: then methods raise KVCachedError."""
+        """"closed" after close(), "forked" in a forked child: then methods raise KVCachedClosedError."""
 
     def close(self) -> None:
-        """Free every block and close the page allocator; then every method raises KVCachedError.
+        """Free every block and close the page allocator; then every method raises KVCachedClosedError.
         Idempotent; no-op in a forked child."""
     def alloc(self, n: SupportsIndex) -> list[int] | None:
         """Exactly `n` distinct block ids, or None (state unchanged) when out of memory / limit."""

@@ -9,8 +9,8 @@ from kvcached.errors import (
     BlockStateError,
     DriverError,
     DriverUnavailableError,
+    KVCachedClosedError,
     KVCachedConfigError,
-    KVCachedError,
     MappingError,
     OutOfDeviceMemory,
 )
@@ -119,10 +119,11 @@ cdef inline uint64_t _live_token() noexcept nogil:
 
 
 cdef int _raise_unusable(str what, uint64_t token, int creator_pid, str fix) except -1:
-    """Raise the KVCachedError that says why an object whose token is stale cannot be used."""
+    """Raise the KVCachedClosedError that says why an object whose token is stale cannot be used
+    (closed, or inherited by a forked child): one class an engine can catch for both."""
     if token == _TOKEN_CLOSED:
-        raise KVCachedError(f"this {what} is closed; {fix}")
-    raise KVCachedError(
+        raise KVCachedClosedError(f"this {what} is closed; {fix}")
+    raise KVCachedClosedError(
         f"this {what} was created in process {creator_pid} and is unusable in a forked child "
         f"(process {_os.getpid()}): its memory and locks are shared with the parent, whose KV cache it "
         f"would corrupt; create a new one after fork (init_kvcached / get_kv_cache_manager in the child).")
@@ -144,7 +145,7 @@ def fork_generation() -> int:
 # _TOKEN_CLOSED once closed. A pthread_atfork child handler bumps the generation, so after any
 # fork (os.fork, multiprocessing, a C library) every inherited object is stale at once, with no
 # registry to walk and nothing to call from Python. Public methods compare the token first — one
-# load and compare, before any lock — and raise a KVCachedError that says what to do. In a child
+# load and compare, before any lock — and raise a KVCachedClosedError that says what to do. In a child
 # the inherited objects must not touch anything: the host backend's pool memfd and every mapped
 # page are shared with the parent (a punched hole or a reused slot would zero or alias the
 # parent's live blocks), CUDA is unusable after fork, and a lock may have been held by a parent

@@ -140,7 +140,7 @@ cdef class PageAllocator:
             pthread_mutex_destroy(&self.lock)
 
     cdef int _check_usable(self) except -1 nogil:
-        """Raise KVCachedError when closed or in a forked child (Note [Fork and close])."""
+        """Raise KVCachedClosedError when closed or in a forked child (Note [Fork and close])."""
         if self.live_token == _fork_generation:
             return 0
         with gil:
@@ -896,7 +896,7 @@ cdef class PageAllocator:
         be newly mapped (-1: no cap), e.g. by what a global budget has left. O(1), no driver
         call (the physical figure is refreshed by the background thread and after out of
         memory, corrected by this backend's own creates and releases since). Exact on the host
-        backend; on CUDA other processes may change it. Raises KVCachedError when closed or in
+        backend; on CUDA other processes may change it. Raises KVCachedClosedError when closed or in
         a forked child; KVCachedConfigError for a max_new_pages below -1 or not an integer."""
         if self.live_token != _fork_generation:
             self._check_usable()
@@ -1122,7 +1122,7 @@ cdef class PageAllocator:
 
     def close(self):
         """Stop the thread, wait for pending fences, unmap the pool and the pending pages, drop
-        the budget gate; then every method but stats() and the checks raises KVCachedError.
+        the budget gate; then every method but stats() and the checks raises KVCachedClosedError.
         Pages in use stay mapped (the BlockAllocator frees them first: BlockAllocator.close).
         Idempotent; does nothing in a forked child (Note [Fork and close]). Raises the first
         failure of the teardown after marking the allocator closed."""

@@ -197,7 +197,7 @@ cdef class PageTable:
         Returns 0, or _OOM with the table exactly as before. On a driver error, undoes this
         call's steps and raises it; a step of the undo that fails too leaves its page id marked
         mapped (mapped = 2: to be unmapped, never used) and is counted in
-        num_rollback_failures, the undo going on past it. Raises KVCachedError when closed or
+        num_rollback_failures, the undo going on past it. Raises KVCachedClosedError when closed or
         in a forked child. Takes `lock`."""
         cdef int pages_done = 0, segments_done = 0, stage = _STAGE_NONE, rc = -1
         cdef int cached_before
@@ -380,7 +380,7 @@ cdef class PageTable:
         segments that did not go, the error in last_unmap_error; the others are still tried
         (Note [Failed unmap]). Raises for other failures (releasing a handle, the zero page),
         stopping there; callers read mapped[] to tell what was unmapped. Works on a closed table
-        (on what a failed close left); raises KVCachedError in a forked child. Takes `lock`."""
+        (on what a failed close left); raises KVCachedClosedError in a forked child. Takes `lock`."""
         cdef int i, s, bad, failed = 0
         cdef int32_t p
         pthread_mutex_lock(&self.lock)
@@ -599,7 +599,7 @@ cdef class PageTable:
 
     def close(self):
         """Unmap every page id and release the zero page, then mark the table closed: map raises
-        KVCachedError from then on; unmap still unmaps what a failed close left mapped. Every
+        KVCachedClosedError from then on; unmap still unmaps what a failed close left mapped. Every
         page is tried; the first failure is raised at the end (the pages it concerns stay
         mapped, counted). Idempotent; does nothing in a forked child. Takes `lock`."""
         if self.handles == NULL or self.live_token != _fork_generation:
