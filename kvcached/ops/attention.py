@@ -20,6 +20,7 @@ from ._args import (
     check_index,
     check_query_heads,
     check_scale,
+    check_tokens,
     check_window,
 )
 
@@ -93,12 +94,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 # -- checks ----------------------------------------------------------------------------------------
 
 def _check_query(query: torch.Tensor, geometry: CacheGeometry, cache: torch.Tensor) -> None:
-    if not isinstance(query, torch.Tensor) or query.dim() != 3 or query.shape[2] != geometry.head_dim:
-        shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
-        raise ValueError(f"query has shape {shape}; it must be [tokens, heads, {geometry.head_dim}]")
-    if query.dtype != cache.dtype or query.device != cache.device:
-        raise ValueError(f"query is {query.dtype} on {query.device}, the cache {cache.dtype} on {cache.device}; "
-                         f"convert it with .to(cache)")
+    check_tokens("query", query, geometry, cache)
     check_query_heads(query, geometry)
 
 
