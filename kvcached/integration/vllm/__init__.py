@@ -1,0 +1,42 @@
+"""kvcached inside vLLM (0.33.x): an elastic BlockPool for the scheduler, KV tensors from
+``alloc_kv_cache`` for the worker, and the plugin switch.
+
+- ``enable(worker=True)`` / ``disable()`` / ``is_enabled()``; ``register`` is the
+  ``vllm.general_plugins`` entry point (vLLM calls it at start-up in every process).
+- ``ElasticBlockPool``: vLLM's BlockPool over a KVCacheManager (``pool.manager`` takes limits;
+  ``pool.release_free_pages()`` gives cached pages back).
+- ``allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)``: vLLM's worker
+  allocation over kvcached; it sets the geometry of the next pool (``set_pool_geometry``,
+  ``PoolGeometry``, ``STANDALONE_GEOMETRY``).
+- ``check_vllm_version()``, ``SUPPORTED_VLLM``.
+
+Importing this package imports no vLLM module and changes nothing; the names that need vLLM
+are loaded on first use, after the version check.
+"""
+
+from importlib import import_module
+
+from .plugin import disable, enable, is_enabled, register
+from .version import SUPPORTED_VLLM, check_vllm_version
+
+_NEEDS_VLLM = {
+    "ElasticBlockPool": "block_pool",
+    "PoolGeometry": "block_pool",
+    "STANDALONE_GEOMETRY": "block_pool",
+    "pool_geometry": "block_pool",
+    "set_pool_geometry": "block_pool",
+    "allocate_kv_cache": "kv_tensors",
+}
+
+__all__ = sorted(_NEEDS_VLLM) + ["SUPPORTED_VLLM", "check_vllm_version", "disable", "enable", "is_enabled",
+                                 "register"]
+
+
+def __getattr__(name: str):
+    module = _NEEDS_VLLM.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    check_vllm_version()
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,380 @@
+"""ElasticBlockPool: vLLM's BlockPool whose block ids come from a kvcached KVCacheManager.
+
+vLLM's scheduler admits requests on ``get_num_free_blocks()`` alone and takes blocks with
+``get_new_blocks``; the stock pool owns every block of a static slab. This pool keeps vLLM's
+bookkeeping (block objects, free queue, prefix cache, events) and asks kvcached for the memory:
+a block is *held* (allocated in the manager, its page mapped) while it is in use or cached, and
+given back as soon as it is free and uncached, so pages unmap as they empty.
+See Note [Held blocks], Note [Honest free count] and Note [Pool geometry].
+
+Importing this module imports vLLM; it changes nothing in vLLM (``enable()`` does).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from vllm.distributed.kv_events import MEDIUM_GPU
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from ...checks import as_int
+from ...errors import KVCachedConfigError
+from ...kv_cache_manager import KVCacheManager
+
+STANDALONE_GROUP_BASE = 1 << 16     # kvcached group ids of standalone pools start here
+LIMIT_CHECK_S = 0.01                # how often a pool looks at its manager's limit (get_num_free_blocks)
+LIMIT_CHECK_MAX_S = 1.0             # ... backing off to this while a deferred limit finds nothing to free
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """What one vLLM block is in kvcached terms: the KVCacheManager arguments of a pool.
+
+    block_size * cell_size is the bytes of one block of one buffer of one layer; group_id None
+    gives each pool a fresh kvcached group (no tensors: the pool is bookkeeping over real pages);
+    num_blocks, when set, restricts the geometry to a pool of exactly that many blocks.
+    """
+
+    block_size: int
+    cell_size: int
+    num_layers: int
+    num_kv_buffers: int = 2
+    group_id: int | None = None
+    num_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "cell_size", "num_layers", "num_kv_buffers"):
+            as_int(getattr(self, name), f"PoolGeometry.{name}", minimum=1)
+        if self.group_id is not None:
+            as_int(self.group_id, "PoolGeometry.group_id", minimum=0)
+        if self.num_blocks is not None:
+            as_int(self.num_blocks, "PoolGeometry.num_blocks", minimum=1)
+
+
+# One cell of 64 bytes per block: a 2 MiB page holds 32768 blocks. See Note [Pool geometry].
+STANDALONE_GEOMETRY = PoolGeometry(block_size=1, cell_size=64, num_layers=1, num_kv_buffers=1)
+
+_lock = threading.RLock()     # re-entrant: a pool's finalizer may run in gc while it is held
+_geometry: PoolGeometry | None = None
+_standalone_ids = itertools.count(STANDALONE_GROUP_BASE)
+_idle_standalone_groups: dict[int, list[int]] = {}     # num_blocks -> group ids of closed pools
+
+
+def set_pool_geometry(geometry: PoolGeometry | None) -> None:
+    """The geometry the next ElasticBlockPools of this process use; None = STANDALONE_GEOMETRY.
+
+    ``allocate_kv_cache`` (the worker side) sets it to the group of the tensors it made, so the
+    scheduler's pool hands out rows of those tensors. See Note [Pool geometry]."""
+    global _geometry
+    if geometry is not None and not isinstance(geometry, PoolGeometry):
+        raise KVCachedConfigError(f"geometry={geometry!r} must be a PoolGeometry or None")
+    with _lock:
+        _geometry = geometry
+
+
+def pool_geometry() -> PoolGeometry | None:
+    """The geometry set by set_pool_geometry (None: standalone pools)."""
+    return _geometry
+
+
+def _manager_for(num_blocks: int) -> tuple[KVCacheManager, int | None]:
+    """A new manager for a pool of num_blocks, and its standalone group id (None for a group set
+    by set_pool_geometry), which a later pool may reuse once this one is closed."""
+    with _lock:
+        geometry = _geometry or STANDALONE_GEOMETRY
+        if geometry.num_blocks not in (None, num_blocks):
+            raise KVCachedConfigError(
+                f"the pool geometry set for this process is for num_blocks={geometry.num_blocks}, but vLLM builds "
+                f"a BlockPool of num_gpu_blocks={num_blocks}: the KV tensors (allocate_kv_cache) and the scheduler "
+                f"must come from one KVCacheConfig; call set_pool_geometry(None) for a standalone pool")
+        standalone = None
+        if geometry.group_id is None:
+            idle = _idle_standalone_groups.get(num_blocks)
+            standalone = idle.pop() if idle else next(_standalone_ids)
+    group_id = geometry.group_id if standalone is None else standalone
+    try:
+        manager = KVCacheManager(num_blocks, geometry.block_size, geometry.cell_size, geometry.num_layers,
+                                 num_kv_buffers=geometry.num_kv_buffers, group_id=group_id, reserve_null_block=True)
+    except BaseException:
+        if standalone is not None:
+            _recycle(num_blocks, standalone)
+        raise
+    if manager.layout == "page_grouped":
+        _close_manager(manager, num_blocks, standalone)
+        raise KVCachedConfigError(
+            "KVCACHED_LAYOUT=page_grouped gives sparse block ids, but vLLM indexes its blocks 0..num_gpu_blocks-1: "
+            "use per_layer, interleaved or auto for vLLM")
+    return manager, standalone
+
+
+def _recycle(num_blocks: int, group_id: int) -> None:
+    with _lock:
+        _idle_standalone_groups.setdefault(num_blocks, []).append(group_id)
+
+
+def _close_manager(manager: KVCacheManager, num_blocks: int, standalone_group: int | None) -> None:
+    """Finalizer of a pool: close its manager, and let a later standalone pool reuse the group."""
+    if manager.closed:
+        return
+    manager.close()
+    if standalone_group is not None:
+        _recycle(num_blocks, standalone_group)
+
+
+class ElasticBlockPool(BlockPool):
+    """A vLLM BlockPool whose blocks are held from a kvcached KVCacheManager only while they are
+    in use or cached. Same constructor as vLLM's BlockPool; ``manager`` takes limits.
+
+    Within one kvcached page, ids are handed out in exactly the order of vLLM's free queue;
+    across pages kvcached fills the fullest mapped page first, so that pages empty and unmap.
+    Not thread-safe, like vLLM's pool (the scheduler calls it from one thread).
+    """
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
+                 enable_kv_cache_events: bool = False, metrics_collector=None, num_hash_lookahead_tokens: int = 0,
+                 medium: str = MEDIUM_GPU):
+        super().__init__(num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events=enable_kv_cache_events,
+                         metrics_collector=metrics_collector, num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+                         medium=medium)
+        manager, standalone_group = _manager_for(num_gpu_blocks)
+        self.manager = manager
+        # held[b] == 1: block b is allocated in the manager. See Note [Held blocks].
+        self._held = bytearray(num_gpu_blocks)
+        self._held[self.null_block.block_id] = 1
+        self._num_unheld = num_gpu_blocks - 1
+        self._count_every_free_block = False
+        self._blocks_per_page = manager.page_bytes // manager.block_bytes
+        self._limit_check_s = LIMIT_CHECK_S
+        self._next_limit_check = 0.0
+        self._finalizer = weakref.finalize(self, _close_manager, manager, num_gpu_blocks, standalone_group)
+
+    def close(self) -> None:
+        """Close the manager: every page of this pool is unmapped; the pool is unusable after."""
+        self._finalizer()
+
+    # -- counting --------------------------------------------------------------------------------
+    def get_num_free_blocks(self) -> int:
+        """Free blocks that get_new_blocks can hand out now: the free ones this pool holds (cached
+        ones included) plus what kvcached can allocate under its limit and budget.
+        See Note [Honest free count]. O(1)."""
+        num_free = self.free_block_queue.num_free_blocks
+        if self._count_every_free_block:
+            return num_free
+        unheld = self._num_unheld
+        return num_free - unheld + min(unheld, self.manager.available_size())
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset, with blocks in use counted from the free queue rather than from the
+        (limit-dependent) free count, so that a limit does not make the reset refuse."""
+        self._count_every_free_block = True
+        try:
+            return super().reset_prefix_cache()
+        finally:
+            self._count_every_free_block = False
+
+    # -- allocation ------------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """num_blocks blocks with ref_cnt 1: first fresh ones from kvcached, then free blocks this
+        pool holds, in free-queue order (evicting their prefix-cache entries).
+
+        Raises ValueError, as vLLM's pool does, when num_blocks > get_num_free_blocks(); nothing
+        is changed then."""
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        blocks = self._take_unheld(min(num_blocks, self._num_unheld))
+        if len(blocks) < num_blocks:
+            held = self._held_free_blocks(num_blocks - len(blocks))
+            if held is None:            # kvcached's share shrank since the count: See Note [Honest free count]
+                self._give_back(blocks)
+                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool (its memory limit or "
+                                 f"budget shrank meanwhile)")
+            for block in held:
+                self.free_block_queue.remove(block)
+            blocks += held
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        for block in blocks:
+            if self.enable_caching:
+                self._maybe_evict_cached_block(block)
+            assert block.ref_cnt == 0, f"block {block.block_id} handed out with ref_cnt {block.ref_cnt}"
+            block.ref_cnt = 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+        return blocks
+
+    def _take_unheld(self, n: int) -> list[KVCacheBlock]:
+        """Up to n blocks allocated from kvcached, taken out of the free queue (fewer, possibly
+        none, when its limit or budget stops it)."""
+        if n <= 0:
+            return []
+        ids = self.manager.alloc(n)
+        if ids is None:
+            n = min(n, self.manager.available_size())
+            ids = self.manager.alloc(n) if n > 0 else None
+            if ids is None:
+                return []
+        blocks = [self.blocks[block_id] for block_id in ids]
+        for block in blocks:
+            self.free_block_queue.remove(block)
+            self._held[block.block_id] = 1
+        self._num_unheld -= len(blocks)
+        return blocks
+
+    def _held_free_blocks(self, n: int) -> list[KVCacheBlock] | None:
+        """The first n held blocks of the free queue (still in it), or None if there are fewer."""
+        found: list[KVCacheBlock] = []
+        if n > self.free_block_queue.num_free_blocks - self._num_unheld:
+            return None
+        held = self._held
+        for block in self.free_block_queue.iter_blocks_after(None):
+            if held[block.block_id]:
+                found.append(block)
+                if len(found) == n:
+                    return found
+        return None
+
+    def _give_back(self, blocks: list[KVCacheBlock]) -> None:
+        """Undo _take_unheld: the blocks go back to kvcached and to the front of the free queue."""
+        if not blocks:
+            return
+        self.manager.free([block.block_id for block in reversed(blocks)])
+        for block in blocks:
+            self._held[block.block_id] = 0
+        self._num_unheld += len(blocks)
+        self.free_block_queue.prepend_n(blocks)
+
+    # -- freeing ---------------------------------------------------------------------------------
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """vLLM's free, then the blocks that became free and hold no prefix-cache entry go back
+        to kvcached (their pages unmap as they empty); under a deferred limit, free pages of
+        cached blocks go back too. See Note [Held blocks]."""
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        held = self._held
+        released = []
+        for block in blocks:
+            block_id = block.block_id
+            if (block.ref_cnt == 0 and block.pool is self and not block.is_null and held[block_id]
+                    and block.block_hash is None and block_id not in self.cached_block_hashes_by_block):
+                held[block_id] = 0
+                released.append(block_id)
+        if released:
+            released.reverse()          # kvcached hands out the last freed id first
+            self.manager.free(released)
+            self._num_unheld += len(released)
+        self._follow_limit()
+
+    def release_free_pages(self) -> int:
+        """Give kvcached every free block this pool holds (prefix-cache entries dropped) on pages
+        that hold no block in use, so those pages unmap; returns the number of blocks given back.
+
+        Runs by itself while the manager's limit is deferred (Note [Held blocks]).
+        O(free blocks + pages)."""
+        per_page = self._blocks_per_page
+        held = self._held
+        by_page: dict[int, list[KVCacheBlock]] = {}
+        for block in self.free_block_queue.iter_blocks_after(None):
+            if held[block.block_id]:
+                by_page.setdefault(block.block_id // per_page, []).append(block)
+        if not by_page:
+            return 0
+        occupancy = self.manager.get_page_occupancy(list(by_page))
+        released = [block for page, blocks in by_page.items() if occupancy[page][0] == len(blocks)
+                    for block in blocks]
+        for block in released:
+            if block.block_hash is not None or block.block_id in self.cached_block_hashes_by_block:
+                self._maybe_evict_cached_block(block)
+            held[block.block_id] = 0
+            self.free_block_queue.remove(block)
+        if released:
+            # Uncached free blocks sit in front of the held ones in vLLM's queue: move them there.
+            self.free_block_queue.prepend_n(released)
+            self.manager.free([block.block_id for block in reversed(released)])
+            self._num_unheld += len(released)
+        return len(released)
+
+    def _follow_limit(self) -> None:
+        """While the manager's limit is deferred, give back free pages: looked at every
+        LIMIT_CHECK_S, backing off to LIMIT_CHECK_MAX_S while a deferred limit finds nothing."""
+        now = time.monotonic()
+        if now < self._next_limit_check:
+            return
+        if self.manager.memory_limit()["status"] == "deferred" and not self.release_free_pages():
+            self._limit_check_s = min(2 * self._limit_check_s, LIMIT_CHECK_MAX_S)
+        else:
+            self._limit_check_s = LIMIT_CHECK_S
+        self._next_limit_check = now + self._limit_check_s
+
+    # -- checking --------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Check the pool against vLLM's rules and against the manager. O(blocks)."""
+        free_ids = [block.block_id for block in self.free_block_queue.get_all_free_blocks()]
+        free = set(free_ids)
+        assert len(free) == len(free_ids) == self.free_block_queue.num_free_blocks, "free queue count or duplicates"
+        assert self.null_block.block_id not in free and self._held[self.null_block.block_id], "null block"
+        num_held = 0
+        for block in self.blocks:
+            block_id = block.block_id
+            held = self._held[block_id]
+            num_held += held
+            if block.is_null:
+                continue
+            assert (block.ref_cnt == 0) == (block_id in free), f"block {block_id}: ref_cnt {block.ref_cnt} vs queue"
+            assert block.ref_cnt >= 0, f"block {block_id}: ref_cnt {block.ref_cnt}"
+            if not held:
+                assert block.ref_cnt == 0 and block.block_hash is None, f"unheld block {block_id} in use or cached"
+        assert num_held + self._num_unheld == self.num_gpu_blocks, "held count"
+        assert self.manager.stats()["allocated"] == num_held, "manager and pool disagree on held blocks"
+        held_by_page: dict[int, int] = {}
+        for block_id in range(self.num_gpu_blocks):
+            if self._held[block_id]:
+                page = block_id // self._blocks_per_page
+                held_by_page[page] = held_by_page.get(page, 0) + 1
+        live_by_page = {page: live for page, (live, _) in self.manager.get_page_occupancy().items() if live}
+        assert held_by_page == live_by_page, "held blocks per page differ from the manager's pages"
+        self.manager.check_invariants()
+
+
+# Note [Held blocks]
+# A block is held (allocated in the KVCacheManager, its page mapped) exactly while vLLM may read
+# it: in use (ref_cnt > 0), free but cached (its KV is a prefix-cache entry), released by
+# unpin_blocks (readable until reused), or the null block. A free block without a hash goes back
+# to kvcached in free_blocks, so a page is unmapped once its last such block is freed. vLLM's
+# free queue is kept whole: held free blocks sit where vLLM puts them (cached ones appended, LRU)
+# and blocks kvcached holds for us are in the queue too, where vLLM would have prepended them.
+# kvcached hands out ids of one page last-freed first, lowest first on a fresh page, so ids given
+# back in reverse come out in the queue's order: within a page the pool hands out exactly the
+# ids vLLM's own pool would (its tests check that order). get_new_blocks takes fresh ids first
+# and then held free blocks in queue order, as vLLM pops uncached blocks before cached ones.
+# release_free_pages is the elastic eviction: it drops the cache entries of free blocks on pages
+# that hold nothing in use, so those whole pages unmap. A lowered limit needs it: kvcached defers
+# the limit until pages empty, and pages of cached blocks would never empty. free_blocks looks
+# at the limit every LIMIT_CHECK_S and, while it is deferred, releases such pages, so the free
+# count falls to what the limit leaves as requests finish. Not in get_num_free_blocks: vLLM
+# looks up prefix hits (free cached blocks), then counts free blocks, then touches the hits, and
+# a release in between would hand a hit's block back to kvcached; no free comes in between.
+#
+# Note [Honest free count]
+# vLLM admits a request when get_num_free_blocks() covers it and then calls get_new_blocks
+# without catching its ValueError. The count is the held free blocks plus what kvcached can
+# allocate now (available_size: limit, global budget and reserved pool included), so allocating
+# exactly that many succeeds. A limit lowered by another thread (the tracker's watcher applying
+# kvctl's limit) or another instance taking shared budget between the check and the allocation
+# can still shrink kvcached's share; get_new_blocks then falls back on held free blocks, and only
+# if those do not cover the shortfall does it raise, having given back what it took.
+#
+# Note [Pool geometry]
+# vLLM builds its BlockPool from num_gpu_blocks alone, in the scheduler, after the worker made
+# the KV tensors. The worker side (allocate_kv_cache) makes them in a kvcached group and calls
+# set_pool_geometry with that group, so the pool's manager hands out rows of those tensors; the
+# two must run in one process (vLLM's uniproc executor), as kvcached maps pages in the process
+# that allocates. With no geometry set, each pool gets a fresh standalone group of 64-byte
+# blocks: real pages and limits, no tensors (vLLM's scheduler tests, the benchmark). A 2 MiB
+# page then holds 32768 blocks, so a small pool lives in one page and sees vLLM's exact ids.
+# A closed pool's standalone group is reused by the next pool of the same size.

@@ -1,0 +1,143 @@
+"""The worker side: vLLM's KV cache tensors made by ``alloc_kv_cache`` instead of one static slab.
+
+``allocate_kv_cache`` has the signature and result of ``vllm.v1.worker.utils.allocate_kv_cache``
+(one ``[B, H, N, C]`` view per layer, in the spec's dtype, laid out as vLLM's KVCacheLayout
+says inside a block), so vLLM's attention backends read them unchanged. See Note [One vLLM page
+per kvcached block].
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import _DIM_B, _DIM_C, _DIM_H, _DIM_N, KVCacheLayout
+
+from ...checks import as_int
+from ...errors import KVCachedConfigError
+from ...runtime import alloc_kv_cache
+from .block_pool import PoolGeometry, set_pool_geometry
+
+SUPPORTED_SPECS = (FullAttentionSpec, SlidingWindowSpec)      # MLAAttentionSpec is a FullAttentionSpec
+DEFAULT_LAYOUT = KVCacheLayout.LBHNC
+
+
+def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLayout | str | None = None,
+                      kernel_block_sizes: list[int] | None = None, *, group_id: int = 0) -> dict[str, torch.Tensor]:
+    """Reserve elastic storage for every layer of ``kv_cache_config`` in kvcached group
+    ``group_id`` and return {layer name: [B, H, N, C] view}; then point the next ElasticBlockPool
+    of this process at that group (set_pool_geometry), so its block ids are rows of these views.
+
+    Layers whose KVCacheTensor placements start at the same byte alias one buffer, as in vLLM
+    (cache groups overlay each other). layout: a KVCacheLayout or its name (default: the
+    config's, else LBHNC) that keeps a block's H, N and C inside the block.
+
+    Raises KVCachedConfigError, with nothing allocated, for a spec other than full attention,
+    sliding window or MLA, host-resident tensors, KV pages of different sizes, a layout that
+    splits a block, or a distributed world of more than one rank (pages are mapped by the
+    process that allocates blocks, the scheduler's: vLLM's uniproc executor).
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        raise KVCachedConfigError(
+            f"kvcached's vLLM integration runs with one worker in the scheduler's process, but the world size is "
+            f"{torch.distributed.get_world_size()}: use tensor_parallel_size=1 and pipeline_parallel_size=1")
+    group_id = as_int(group_id, "group_id", minimum=0)
+    if not kv_cache_config.kv_cache_tensors:
+        return {}
+    layout = _resolve_layout(layout if layout is not None else kv_cache_config.kv_cache_layout)
+    num_blocks = as_int(kv_cache_config.num_blocks, "kv_cache_config.num_blocks", minimum=1)
+    placements = [(tensor, index, name, _layer_spec(kv_cache_config, tensor, name))
+                  for tensor in kv_cache_config.kv_cache_tensors for index, name in enumerate(tensor.layers)]
+    page_sizes = {spec.page_size_bytes for *_, spec in placements}
+    if len(page_sizes) != 1:
+        raise KVCachedConfigError(
+            f"the KV cache specs have pages of {sorted(page_sizes)} bytes; kvcached gives one group one block size: "
+            f"let vLLM unify the page size (hybrid models pad to one page size)")
+    page_bytes = page_sizes.pop()
+    # See Note [One vLLM page per kvcached block]: one buffer per distinct start byte.
+    slots: dict[int, int] = {}
+    for tensor, index, _, _ in placements:
+        slots.setdefault(tensor.offset + index * tensor.layer_stride, len(slots))
+    buffers = alloc_kv_cache((num_blocks, 1, page_bytes), 1, torch.int8, device, len(slots), attention_type="MLA",
+                             group_id=group_id)
+    kv_caches: dict[str, torch.Tensor] = {}
+    for tensor, index, name, spec in placements:
+        buffer = buffers[slots[tensor.offset + index * tensor.layer_stride]]
+        one_layer = KVCacheTensor(size=buffer.numel(), layers=[name], layer_stride=buffer.stride(0) * num_blocks,
+                                  block_stride=buffer.stride(0))
+        group_index = _group_index(kv_cache_config, name)
+        kernel_block_size = None
+        if kernel_block_sizes is not None and group_index < len(kernel_block_sizes):
+            kernel_block_size = kernel_block_sizes[group_index]
+        (kv_caches[name],) = create_kv_cache_views(buffer, spec, num_blocks, layout, one_layer,
+                                                   kernel_block_size=kernel_block_size)
+    set_pool_geometry(PoolGeometry(block_size=1, cell_size=page_bytes, num_layers=len(slots), num_kv_buffers=1,
+                                   group_id=group_id, num_blocks=num_blocks))
+    return kv_caches
+
+
+def _resolve_layout(layout: KVCacheLayout | str | None) -> KVCacheLayout:
+    if layout is None:
+        return DEFAULT_LAYOUT
+    if isinstance(layout, str):
+        try:
+            layout = KVCacheLayout[layout]
+        except KeyError:
+            raise KVCachedConfigError(f"layout={layout!r} is not a KVCacheLayout; use one of "
+                                      f"{', '.join(m.name for m in KVCacheLayout)}") from None
+    if not isinstance(layout, KVCacheLayout):
+        raise KVCachedConfigError(f"layout={layout!r} must be a KVCacheLayout or its name")
+    if not _block_holds_page(layout):
+        fitting = [m.name for m in KVCacheLayout if _block_holds_page(m)]
+        raise KVCachedConfigError(
+            f"KV cache layout {layout.name} puts a dimension of the page outside the block, so one block is not "
+            f"one range of memory that kvcached can map: use one of {', '.join(fitting)} (VLLM_KV_CACHE_LAYOUT)")
+    return layout
+
+
+def _block_holds_page(layout: KVCacheLayout) -> bool:
+    """Whether B comes before H, N and C in memory order (a block is one range of memory)."""
+    order = layout.stride_order
+    return order.index(_DIM_B) < min(order.index(dim) for dim in (_DIM_H, _DIM_N, _DIM_C))
+
+
+def _group_index(kv_cache_config: KVCacheConfig, layer_name: str) -> int:
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        if layer_name in group.layer_names:
+            return index
+    raise KVCachedConfigError(f"layer {layer_name!r} has a KV cache tensor but belongs to no KV cache group")
+
+
+def _layer_spec(kv_cache_config: KVCacheConfig, tensor: KVCacheTensor, layer_name: str) -> KVCacheSpec:
+    if tensor.host_resident:
+        raise KVCachedConfigError(f"layer {layer_name!r} has a host-resident KV cache tensor (HiSparse); kvcached "
+                                  f"backs device KV caches only: run without HiSparse")
+    spec = kv_cache_config.kv_cache_groups[_group_index(kv_cache_config, layer_name)].kv_cache_spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = spec.kv_cache_specs[layer_name]
+    if not isinstance(spec, SUPPORTED_SPECS):
+        raise KVCachedConfigError(
+            f"layer {layer_name!r} has a {type(spec).__name__}; kvcached's vLLM integration backs full attention, "
+            f"sliding window and MLA layers (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec)")
+    return spec
+
+
+# Note [One vLLM page per kvcached block]
+# vLLM 0.33 stores one layer's block as a "page" of H x N cells of C bytes (K and V packed in C,
+# or one latent vector for MLA), and places layers in one flat buffer at offset + l *
+# layer_stride + b * block_stride; layers whose placements start at the same byte share the
+# bytes (cache groups of a hybrid model overlay each other, a block id belonging to one group
+# at a time). Here every distinct start byte becomes one kvcached buffer of blocks of
+# page_size_bytes (alloc_kv_cache's MLA form (N, 1, page_bytes) in int8: one opaque cell per
+# block), and vLLM's own create_kv_cache_views cuts the [B, H, N, C] view of each layer out of
+# its buffer with kvcached's block stride, so padding, kernel-block splitting and the layout's
+# order inside a block are vLLM's. A layout that puts H, N or C outside B (LHBNC, BHLNC) spreads
+# one block over the whole buffer: no page could back a block, so it is refused.

@@ -1,0 +1,90 @@
+"""Switching kvcached into vLLM and out again: the ``vllm.general_plugins`` entry point and
+``enable()`` / ``disable()`` for code that builds the engine itself.
+
+Nothing happens at import time. ``enable()`` rebinds two module-level names that vLLM looks up
+when it builds its KV cache, and ``disable()`` puts vLLM's own objects back. See Note [Hooks].
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+
+from ...errors import KVCachedConfigError
+from .version import check_vllm_version
+
+logger = logging.getLogger("kvcached")
+
+SCHEDULER_HOOKS = (("vllm.v1.core.kv_cache_coordinator", "BlockPool"),)
+WORKER_HOOKS = (("vllm.v1.worker.gpu_model_runner", "allocate_kv_cache"),
+                ("vllm.v1.worker.gpu.attn_utils", "allocate_kv_cache"))
+
+_lock = threading.Lock()
+_saved: dict[tuple[str, str], object] = {}      # (module, name) -> vLLM's own object
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: vLLM calls it in every process it starts, maybe
+    more than once. Equivalent to ``enable()``."""
+    enable()
+
+
+def enable(*, worker: bool = True) -> None:
+    """Make vLLM build its scheduler's BlockPool as an ElasticBlockPool and, with worker=True,
+    its KV cache tensors with kvcached (allocate_kv_cache). Idempotent.
+
+    Raises KVCachedConfigError, changing nothing, for an unsupported vLLM version or a worker
+    module that cannot be imported."""
+    check_vllm_version()
+    from .block_pool import ElasticBlockPool
+
+    hooks = [(module, name, ElasticBlockPool) for module, name in SCHEDULER_HOOKS]
+    if worker:
+        from .kv_tensors import allocate_kv_cache
+
+        hooks += [(module, name, allocate_kv_cache) for module, name in WORKER_HOOKS]
+    with _lock:
+        targets = [(_import(module), module, name, replacement) for module, name, replacement in hooks]
+        for target, module, name, replacement in targets:
+            current = getattr(target, name)
+            if current is replacement:
+                continue
+            _saved.setdefault((module, name), current)
+            setattr(target, name, replacement)
+    logger.info("kvcached enabled in vLLM: %s", ", ".join(f"{m}.{n}" for m, n, _ in hooks))
+
+
+def disable() -> None:
+    """Put vLLM's own BlockPool and allocate_kv_cache back where enable() replaced them (pools
+    and tensors already made stay as they are). Idempotent."""
+    with _lock:
+        for (module, name), original in list(_saved.items()):
+            setattr(importlib.import_module(module), name, original)
+            del _saved[(module, name)]
+
+
+def is_enabled() -> bool:
+    """Whether enable() replaced anything that disable() has not put back."""
+    with _lock:
+        return bool(_saved)
+
+
+def _import(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise KVCachedConfigError(f"kvcached cannot hook into vLLM: importing {module} failed ({exc}); install "
+                                  f"vLLM's dependencies for this platform, or call enable(worker=False) to "
+                                  f"make only the scheduler elastic") from exc
+
+
+# Note [Hooks]
+# vLLM's KVCacheCoordinator builds its pool as `BlockPool(...)`, a name it looks up in its own
+# module (vllm.v1.core.kv_cache_coordinator) when the scheduler is made; the GPU model runners
+# call `allocate_kv_cache(...)` from their modules when the KV cache is initialised. Rebinding
+# those names is the narrowest switch vLLM 0.33 offers (no configuration option selects a pool
+# class or a KV allocator): vllm.v1.core.block_pool.BlockPool itself stays vLLM's class, so
+# anything else that subclasses or builds it is untouched. The names are rebound only by
+# enable(), which vLLM calls through the plugin entry point or the user calls before building
+# the engine; the version check comes first because the pool depends on that minor's internals.
