@@ -28,7 +28,7 @@ Protocol (every process follows it; readers included):
 * A slot is free when its pid is 0. A handle claims one at ``Budget.open`` and frees it at
   ``close`` (releasing what it holds). A background thread per process refreshes the heartbeat of
   each of its slots every ``stale_after_s / 8``. A slot is dead when its process is (see Note
-  [Telling a dead owner] in mem_info_tracker) or, for a process of another pid namespace (another
+  [Telling a dead owner] in _shm) or, for a process of another pid namespace (another
   container), whose life cannot be checked, when its heartbeat is older than the budget's
   ``stale_after_s`` (Note [Slot heartbeats]). A dead slot is reclaimed: its bytes are taken back
   and added to ``recovered_bytes``. A live process of this namespace is never reclaimed, however
@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import logging
 import math
 import os
 import struct
@@ -69,17 +70,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .checks import as_int
-from .errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
-from .mem_info_tracker import (
+from ._shm import (
     I64_MAX,
     SHM_DIR,
     create_exclusive,
-    log,
     own_identity,
     owner_alive,
+    pid_now,
     validate_name,
 )
+from .checks import as_int
+from .errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
+
+log = logging.getLogger("kvcached")
 
 BUDGET_PREFIX = "kvcached-budget."
 MAGIC = b"KVCB"
@@ -104,9 +107,6 @@ _W_BUDGET, _W_HELD, _W_NUM_SLOTS, _W_RECOVERED, _W_STALE = 2, 3, 4, 6, 7
 _SLOT_PID, _SLOT_START, _SLOT_NS, _SLOT_HELD, _SLOT_TOKEN, _SLOT_HEARTBEAT = range(6)
 
 assert _HEADER.size == SLOTS_OFFSET and _SLOT.size == SLOT_BYTES
-
-# This process's pid, kept current across fork without a getpid() call per acquisition.
-_pid_now = [os.getpid()]
 
 # Test hook: called by Budget._add between the slot's write and the total's (tests SIGKILL the
 # process there to check that nothing leaks). See Note [The total is the sum of the slots].
@@ -499,12 +499,7 @@ class _Heartbeat:
 _heartbeat = _Heartbeat()
 
 
-def _after_fork_in_child() -> None:
-    _pid_now[0] = os.getpid()
-    _heartbeat.after_fork_in_child()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_heartbeat.after_fork_in_child)
 
 
 class Budget:
@@ -528,7 +523,7 @@ class Budget:
         self._lock = threading.Lock()
         self._next_reclaim = 0.0
         self._closed = False
-        self._pid = _pid_now[0]
+        self._pid = pid_now[0]
         self._broken = False  # the file stopped being a budget (warned once)
         self._beat_every_s = segment.stale_after_ns() / 8e9
         atexit.register(self.close)
@@ -724,10 +719,10 @@ class Budget:
     def _check_open(self) -> None:
         if self._closed:
             raise KVCachedClosedError(f"budget handle {self.name!r} is closed; open a new one")
-        if _pid_now[0] != self._pid:
+        if pid_now[0] != self._pid:
             raise KVCachedError(
                 f"budget handle {self.name!r} was opened in pid {self._pid} and used in its "
-                f"forked child {_pid_now[0]}, which shares its file lock; open the budget again "
+                f"forked child {pid_now[0]}, which shares its file lock; open the budget again "
                 "in the child")
 
     def _check_slot(self, slot: _Slot) -> None:
@@ -765,7 +760,7 @@ class Budget:
 
         A forked child that inherited the handle leaves its parent's slot alone.
         """
-        if _pid_now[0] == self._pid:
+        if pid_now[0] == self._pid:
             _heartbeat.remove(self)  # after this the heartbeat thread never touches the handle
         with self._lock:
             if self._closed:
@@ -773,7 +768,7 @@ class Budget:
             self._closed = True
             atexit.unregister(self.close)
             seg = self._seg
-            if _pid_now[0] == self._pid:
+            if pid_now[0] == self._pid:
                 seg.lock()
                 try:
                     _, held = seg.head()

@@ -11,7 +11,16 @@ process]). The reference project opened, locked, mapped and closed its segment o
 alloc/free; this module never does.
 
 Pure Python, imports neither torch nor the compiled core: ``kvctl list`` must start in well under
-200 ms. Linux only (``/dev/shm``, ``/proc``).
+200 ms. Linux only (``/dev/shm``, ``/proc``). Process identity and the file helpers it shares with
+``budget`` live in ``_shm``.
+
+The module reads in three parts, each under its banner: Part 1, the segment format (the layout
+below, the seqlock fences, names); Part 2, the reader used by ``kvctl`` and ``kvtop``
+(``read_segment``, ``list_segments``, ``request_limit``, ``wait_for_ack``, ``delete_segment``,
+``gc_segments``) and the limit arithmetic shared with the runtime (``classify_limit_request``,
+``split_limit``); Part 3, the owner's publisher and request watcher (``MemInfoTracker``) with its
+clean-up at exit. One module, not three: the layout, the readers' seqlock and the writers'
+seqlock are one protocol, checked together (Note [Seqlock over pread and pwrite]).
 
 Segment layout, version 1 (512 bytes, native byte order: little-endian on every CUDA host)
 
@@ -73,17 +82,27 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
+from ._shm import (  # noqa: F401  (I64_MAX, MAX_NAME_BYTES, own_identity: re-exported)
+    I64_MAX,
+    MAX_NAME_BYTES,
+    SHM_DIR,
+    TMP_PREFIX,
+    create_exclusive,
+    own_identity,
+    owner_alive,
+    pid_now,
+    process_start_time,
+    replace_if_dead,
+    validate_name,
+)
 from .checks import as_int
 from .errors import KVCachedConfigError, KVCachedError
 
-SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "kvcached."
-TMP_PREFIX = ".kvcached-tmp."
 MAGIC = b"KVCT"
 VERSION = 1
 SEGMENT_BYTES = 512
 NAME_BYTES = 256
-MAX_NAME_BYTES = 200
 NO_LIMIT = -1
 STALE_AFTER_S = 3.0
 HEARTBEAT_INTERVAL_S = 0.1
@@ -108,13 +127,16 @@ _W_USAGE_SEQ, _W_USED, _W_RESERVED = _W["usage_seq"], _W["used_bytes"], _W["rese
 _W_LIMIT_SEQ, _W_REQUEST_SEQ = _W["limit_seq"], _W["request_seq"]
 _READ_ATTEMPTS = 10_000
 _WORD = struct.Struct("=q")
-I64_MAX = (1 << 63) - 1  # the largest value an i64 field holds
 
 assert _LAYOUT.size == SEGMENT_BYTES and OFFSETS["request_ns"] == 184
 assert (_W_USAGE_SEQ, _W_USED, _W_RESERVED) == (8, 9, 10)  # literals in publish()
 
 log = logging.getLogger("kvcached")
 
+
+# ============================================================================================
+# Part 1. The segment format: layout (the table above), seqlock fences, names
+# ============================================================================================
 
 # --------------------------------------------------------------------------------------------
 # Memory ordering of the seqlocks. See Note [Seqlock ordering on weakly ordered CPUs].
@@ -154,82 +176,8 @@ _FENCE = fence_for(os.uname().machine)
 
 
 # --------------------------------------------------------------------------------------------
-# Process identity: pid + start time + pid namespace. See Note [Telling a dead owner].
+# Names (process identity and the file helpers: _shm)
 # --------------------------------------------------------------------------------------------
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks after boot, or None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2:].split()
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
-def _own_pid_ns() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-_PID_NS = _own_pid_ns()
-# This process's pid, kept current across fork without a getpid() call per write.
-_pid_now = [os.getpid()]
-os.register_at_fork(after_in_child=lambda: _pid_now.__setitem__(0, os.getpid()))
-_START_TIME: dict[int, int] = {}
-
-
-def own_identity() -> tuple[int, int, int]:
-    """(pid, start_time, pid_ns) of this process, as written into segments."""
-    pid = os.getpid()
-    start = _START_TIME.get(pid)
-    if start is None:
-        start = _START_TIME[pid] = process_start_time(pid) or 0
-    return pid, start, _PID_NS
-
-
-def owner_alive(pid: int, start_time: int, pid_ns: int) -> bool | None:
-    """True if that process still runs, False if it is gone, None if this process cannot tell
-    (the owner lives in another pid namespace)."""
-    if pid <= 0:
-        return False
-    if pid_ns and _PID_NS and pid_ns != _PID_NS:
-        return None
-    current = process_start_time(pid)
-    if current is not None:
-        return start_time == 0 or current == start_time
-    try:  # /proc may hide other users' processes (hidepid): ask the kernel
-        os.kill(pid, 0)
-    except PermissionError:
-        return True  # exists, owned by another user; its start time cannot be checked
-    except ProcessLookupError:
-        return False
-    return False  # a zombie
-
-
-# --------------------------------------------------------------------------------------------
-# Names and files
-# --------------------------------------------------------------------------------------------
-
-def validate_name(name: str) -> str:
-    """Return ``name`` if it can name a segment, else raise KVCachedConfigError."""
-    if not isinstance(name, str) or not name or name in (".", ".."):
-        raise KVCachedConfigError(f"segment name {name!r} is invalid: give a non-empty string")
-    if "/" in name or not name.isprintable():
-        raise KVCachedConfigError(
-            f"segment name {name!r} is invalid: '/' and control characters are not allowed; "
-            "use letters, digits, '_', '-' or '.'")
-    if len(name.encode()) > MAX_NAME_BYTES:
-        raise KVCachedConfigError(
-            f"segment name {name[:40]!r}... is {len(name.encode())} bytes in UTF-8; "
-            f"the most is {MAX_NAME_BYTES}")
-    return name
-
 
 def segment_path(name: str) -> str:
     """Path of the segment file of instance ``name``."""
@@ -244,114 +192,9 @@ def default_name() -> str:
     return f"kvcached_{os.getpid()}_{next(_default_names)}"
 
 
-def create_exclusive(path: str, content: bytes) -> int | None:
-    """Create ``path`` holding ``content``, fully written before any reader can open it.
-
-    Writes a hidden temporary file and hard-links it into place, so a reader never sees a
-    half-initialised segment. Returns an O_RDWR fd of the new file, or None if ``path`` exists.
-    Complexity: O(len(content)); three system calls beyond the write.
-    """
-    tmp = os.path.join(SHM_DIR, f"{TMP_PREFIX}{os.getpid()}.{os.urandom(6).hex()}")
-    try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileNotFoundError:
-        raise KVCachedError(
-            f"{SHM_DIR} does not exist: kvcached needs Linux POSIX shared memory (tmpfs on "
-            f"{SHM_DIR}); mount one or run on Linux") from None
-    except PermissionError:
-        raise KVCachedError(
-            f"{SHM_DIR} is not writable by this user; make it world-writable with the sticky "
-            "bit (mode 1777), as Linux sets it up") from None
-    try:
-        os.write(fd, content)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            os.close(fd)
-            return None
-        return fd
-    finally:
-        os.unlink(tmp)
-
-
-def replace_if_dead(path: str, is_dead: Callable[[bytes], bool]) -> bool:
-    """Unlink ``path`` if ``is_dead(its content)``, under its flock so that two processes taking
-    over the same dead name cannot unlink each other's fresh file. True if it is gone now."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-            if os.stat(path).st_ino != os.fstat(fd).st_ino:
-                return False  # replaced meanwhile: look again
-        except FileNotFoundError:
-            return True
-        if not is_dead(os.pread(fd, 4096, 0)):
-            return False
-        os.unlink(path)
-        return True
-    finally:
-        os.close(fd)
-
-
-# --------------------------------------------------------------------------------------------
-# Clean-up on exit and on signals. See Note [Signals and clean-up].
-# --------------------------------------------------------------------------------------------
-
-_to_close: dict[int, MemInfoTracker] = {}
-_to_close_lock = threading.RLock()  # re-entered by a signal handler
-_signals_chained: set[int] = set()
-
-
-def close_at_exit(obj: MemInfoTracker) -> None:
-    """Call ``obj.close()`` at interpreter exit, or before SIGTERM/SIGINT kill the process."""
-    with _to_close_lock:
-        if not _to_close:
-            atexit.register(_close_all)
-        _to_close[id(obj)] = obj
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            if signum not in _signals_chained:
-                previous = signal.getsignal(signum)
-                if previous is None:
-                    continue  # installed outside Python: cannot be chained
-                signal.signal(signum, _make_handler(previous))
-                _signals_chained.add(signum)
-
-
-def cancel_close_at_exit(obj: MemInfoTracker) -> None:
-    """Forget ``obj`` (it was closed)."""
-    with _to_close_lock:
-        _to_close.pop(id(obj), None)
-        if not _to_close:
-            atexit.unregister(_close_all)
-
-
-def _close_all(join: bool = True) -> None:
-    with _to_close_lock:
-        objs = list(_to_close.values())
-    for obj in objs:
-        try:
-            obj._close(join)
-        except Exception:  # keep closing the others; exit must not fail on clean-up
-            log.exception("kvcached: closing %r at exit failed", obj)
-
-
-def _make_handler(previous: object) -> Callable[[int, object], None]:
-    def handler(signum: int, frame: object) -> None:
-        if previous is signal.SIG_IGN:
-            return
-        if callable(previous):
-            previous(signum, frame)
-            return
-        _close_all(join=False)  # the thread interrupted may hold a lock its watcher waits for
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
-
-    return handler
-
+# ============================================================================================
+# Part 2. The reader: what kvctl and kvtop use (read, list, limit requests, delete, gc)
+# ============================================================================================
 
 # --------------------------------------------------------------------------------------------
 # Reading
@@ -798,6 +641,67 @@ def split_limit(limit_bytes: int, capacities: list[int], page_size_bytes: int = 
     return [s * unit for s in shares]
 
 
+# ============================================================================================
+# Part 3. The publisher and watcher: the owner's side (MemInfoTracker)
+# ============================================================================================
+
+# --------------------------------------------------------------------------------------------
+# Clean-up on exit and on signals. See Note [Signals and clean-up].
+# --------------------------------------------------------------------------------------------
+
+_to_close: dict[int, MemInfoTracker] = {}
+_to_close_lock = threading.RLock()  # re-entered by a signal handler
+_signals_chained: set[int] = set()
+
+
+def close_at_exit(obj: MemInfoTracker) -> None:
+    """Call ``obj.close()`` at interpreter exit, or before SIGTERM/SIGINT kill the process."""
+    with _to_close_lock:
+        if not _to_close:
+            atexit.register(_close_all)
+        _to_close[id(obj)] = obj
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            if signum not in _signals_chained:
+                previous = signal.getsignal(signum)
+                if previous is None:
+                    continue  # installed outside Python: cannot be chained
+                signal.signal(signum, _make_handler(previous))
+                _signals_chained.add(signum)
+
+
+def cancel_close_at_exit(obj: MemInfoTracker) -> None:
+    """Forget ``obj`` (it was closed)."""
+    with _to_close_lock:
+        _to_close.pop(id(obj), None)
+        if not _to_close:
+            atexit.unregister(_close_all)
+
+
+def _close_all(join: bool = True) -> None:
+    with _to_close_lock:
+        objs = list(_to_close.values())
+    for obj in objs:
+        try:
+            obj._close(join)
+        except Exception:  # keep closing the others; exit must not fail on clean-up
+            log.exception("kvcached: closing %r at exit failed", obj)
+
+
+def _make_handler(previous: object) -> Callable[[int, object], None]:
+    def handler(signum: int, frame: object) -> None:
+        if previous is signal.SIG_IGN:
+            return
+        if callable(previous):
+            previous(signum, frame)
+            return
+        _close_all(join=False)  # the thread interrupted may hold a lock its watcher waits for
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    return handler
+
+
 # --------------------------------------------------------------------------------------------
 # The owner side
 # --------------------------------------------------------------------------------------------
@@ -902,7 +806,7 @@ class MemInfoTracker:
         """Whether writes may go to the file: open, not detached, not a forked child's copy
         (the segment is the parent's), and a segment long (one fstat). Assumes
         ``self._write_lock``. See Note [A segment changed by another process]."""
-        if self._closed or self._detached is not None or _pid_now[0] != self._identity[0]:
+        if self._closed or self._detached is not None or pid_now[0] != self._identity[0]:
             return False
         size = os.fstat(self._fd).st_size
         if size < SEGMENT_BYTES:
@@ -1255,15 +1159,6 @@ def _status_code(status: str) -> int:
 # block. An exception anywhere in a poll is logged and the thread polls on. Requests are idempotent by revision, so a request that is
 # superseded before the instance saw it is simply never acknowledged by its own sequence number
 # (wait_for_ack reports the later one's outcome).
-#
-# Note [Telling a dead owner]
-# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A pid alone is not an identity: pids are reused. The segment keeps the owner's start time from
-# /proc/<pid>/stat; the owner is dead when /proc/<pid> is gone, is a zombie, or started at another
-# time. Containers sharing /dev/shm may have separate pid namespaces, where a pid means another
-# process; the segment keeps the owner's pid-namespace inode, and a reader in another namespace
-# judges only by the heartbeat (dead once it is older than STALE_AFTER_S). "stale" in a snapshot
-# means dead *or* a heartbeat older than STALE_AFTER_S (a hung owner); gc removes only the dead.
 #
 # Note [Signals and clean-up]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
