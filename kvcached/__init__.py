@@ -6,6 +6,7 @@ nor the compiled core.
 
 from importlib import import_module
 
+from . import kv_cache_manager as _kv_cache_manager
 from .errors import (
     BlockStateError,
     DriverError,
@@ -40,6 +41,15 @@ __all__ = sorted(_LAZY) + [
     "OutOfDeviceMemory",
 ]
 __version__ = "0.1.0"
+
+
+def _runtime_registry():
+    """The runtime's registry, for a KVCacheManager made without one (Note [One registry] in
+    kv_cache_manager). Imports the runtime on first use only."""
+    return import_module(".runtime", __name__).REGISTRY
+
+
+_kv_cache_manager.registry_provider = _runtime_registry
 
 
 def __getattr__(name: str):

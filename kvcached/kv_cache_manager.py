@@ -3,6 +3,9 @@
 Policy lives here, in Python; the per-block work is in the Cython allocators
 (``kvcached._core.BlockAllocator`` over ``PageAllocator``), which are thread-safe by themselves.
 See Note [Hot path binding], Note [Limits] and Note [Manager life cycle].
+
+A manager knows nothing of the runtime above it: the runtime hands it a ``Registry`` (its group,
+its lock, the other managers) at construction. See Note [One registry].
 """
 
 from __future__ import annotations
@@ -11,16 +14,19 @@ import logging
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
-from . import config, runtime
+from . import config
 from .checks import as_int
 from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
 from .mem_info_tracker import I64_MAX, NO_LIMIT, MemInfoTracker, classify_limit_request
 
 if TYPE_CHECKING:
-    from ._core import BlockAllocator, PageAllocator
+    from ._core import BlockAllocator, PageAllocator, PageTable
     from .budget import Budget
+    from .layout import KVLayout
 
 logger = logging.getLogger("kvcached")
 
@@ -30,6 +36,52 @@ MAX_LIMIT_BYTES = I64_MAX           # what the segment's limit field (int64) hol
 MAX_REVISION = I64_MAX              # what the segment's revision field (int64) holds
 _HOT_PATH = ("alloc", "free", "alloc_into", "free_from", "available_size")
 _all_managers: weakref.WeakSet = weakref.WeakSet()    # every manager made, for the fork handler
+
+
+class Group(Protocol):
+    """What a manager uses of its group (``runtime.KVGroup``): the layout, the page table, and its
+    live managers (read here; the registry adds and removes them)."""
+
+    group_id: int
+    layout: KVLayout
+    page_table: PageTable
+    managers: list[KVCacheManager]
+
+
+class Registry(Protocol):
+    """What a manager needs from the runtime that owns it (``runtime.REGISTRY``).
+    See Note [One registry]."""
+
+    @property
+    def lock(self) -> AbstractContextManager[Any]:
+        """The registry's lock, held while a manager registers or leaves (re-entrant)."""
+
+    def group(self, group_id: int, num_layers: int, num_kv_buffers: int, block_bytes: int,
+              num_blocks: int) -> Group:
+        """The group ``group_id``, made without tensors if it does not exist yet.
+        Raises KVCachedConfigError if its geometry differs."""
+
+    def managers(self) -> list[KVCacheManager]:
+        """Every live manager of this process."""
+
+    def add(self, group: Group, manager: KVCacheManager) -> None:
+        """Register ``manager`` as ``group``'s live manager. Assumes ``lock``."""
+
+    def remove(self, group: Group, manager: KVCacheManager) -> None:
+        """Forget ``manager`` (closed). Assumes ``lock``."""
+
+
+# The registry of a manager made without one: the package sets it to the runtime's
+# (kvcached/__init__.py). See Note [One registry].
+registry_provider: Callable[[], Registry] | None = None
+
+
+def _default_registry() -> Registry:
+    if registry_provider is None:
+        raise KVCachedConfigError(
+            "KVCacheManager needs the runtime's registry: import kvcached (the package sets it) or pass "
+            "registry=kvcached.runtime.REGISTRY")
+    return registry_provider()
 
 
 def _clipped_intervals(layout, num_blocks: int):
@@ -62,7 +114,8 @@ class KVCacheManager:
     Raises (constructor): KVCachedConfigError for a non-positive size, a geometry that differs
     from the group's tensors, a group that already has a live manager (Note [One manager per
     group]), a segment name another manager of this process uses, world_size != 1 or
-    async_sched=True. A failed constructor leaves nothing behind.
+    async_sched=True. A failed constructor leaves nothing behind. ``registry`` is the runtime's
+    (the default); see Note [One registry].
     """
 
     _pages: PageAllocator                   # set by _build; absent if construction failed first
@@ -73,7 +126,8 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, cell_size: int, num_layers: int, world_size: int = 1,
                  pp_rank: int = 0, async_sched: bool = False, reserve_null_block: bool = False,
-                 num_kv_buffers: int = 2, group_id: int = 0, pool_name: str | None = None):
+                 num_kv_buffers: int = 2, group_id: int = 0, pool_name: str | None = None, *,
+                 registry: Registry | None = None) -> None:
         num_blocks, block_size, cell_size, num_layers, num_kv_buffers = (
             as_int(value, name, minimum=1) for value, name in (
                 (num_blocks, "num_blocks"), (block_size, "block_size"), (cell_size, "cell_size"),
@@ -91,6 +145,7 @@ class KVCacheManager:
         if pool_name is not None and not isinstance(pool_name, str):
             raise KVCachedConfigError(f"pool_name={pool_name!r} must be a str (it suffixes the segment name) or None")
         settings = config.settings()
+        self._registry = _default_registry() if registry is None else registry
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.cell_size = cell_size
@@ -111,8 +166,8 @@ class KVCacheManager:
         self._limit_status = "applied"
         _all_managers.add(self)
         # See Note [One manager per group]: the check and the registration are one step.
-        with runtime._lock:
-            self._group = runtime.kv_group(group_id, num_layers, num_kv_buffers, self.block_bytes, num_blocks)
+        with self._registry.lock:
+            self._group = self._registry.group(group_id, num_layers, num_kv_buffers, self.block_bytes, num_blocks)
             self._refuse_second_manager()
             ipc_name = self._ipc_name(settings.ipc_name)
             try:
@@ -122,14 +177,13 @@ class KVCacheManager:
                 raise
             self._closed_reason = None
             self._bind_hot_path()
-            self._group.managers.append(self)
-            runtime.stop_at_exit()
+            self._registry.add(self._group, self)
         logger.info("manager of group %d: %d blocks in %d pages of %d bytes, segment %s", group_id, num_blocks,
                     self.num_pages, self.page_bytes, self.ipc_name)
 
     def _build(self, settings: config.Settings, ipc_name: str | None, reserve_null_block: bool) -> None:
         """Make the allocators, the budget share and the tracker, then start the threads.
-        Assumes runtime._lock; on an exception the caller tears down what exists."""
+        Assumes the registry's lock; on an exception the caller tears down what exists."""
         from ._core import BlockAllocator, PageAllocator
 
         layout = self._group.layout
@@ -158,7 +212,7 @@ class KVCacheManager:
         self._pages.start()
 
     def _refuse_second_manager(self) -> None:
-        """See Note [One manager per group]. Assumes runtime._lock."""
+        """See Note [One manager per group]. Assumes the registry's lock."""
         for other in self._group.managers:
             raise KVCachedConfigError(
                 f"group {self.group_id} already has a manager (num_blocks={other.num_blocks}, "
@@ -168,11 +222,11 @@ class KVCacheManager:
 
     def _ipc_name(self, base: str | None) -> str | None:
         """The segment name: KVCACHED_IPC_NAME, suffixed with pool_name. Refuses a name another
-        live manager of this process publishes under. Assumes runtime._lock."""
+        live manager of this process publishes under. Assumes the registry's lock."""
         if base is None:
             return None
         name = base if self.pool_name is None else f"{base}.{self.pool_name}"
-        for other in runtime.managers():
+        for other in self._registry.managers():
             if other.ipc_name == name:
                 raise KVCachedConfigError(
                     f"KVCACHED_IPC_NAME={base!r} with pool_name={self.pool_name!r} names segment {name!r}, which "
@@ -454,7 +508,7 @@ class KVCacheManager:
     def _close(self, reason: str) -> None:
         if self._forked:
             return
-        with runtime._lock:
+        with self._registry.lock:
             if self._closed_reason is not None:
                 return
             with self._limit_lock:              # a limit being applied finishes first
@@ -464,8 +518,7 @@ class KVCacheManager:
             try:
                 self._teardown()
             finally:
-                if self in self._group.managers:
-                    self._group.managers.remove(self)
+                self._registry.remove(self._group, self)
 
     def _teardown(self) -> None:
         """Join every thread of this manager, then give back its blocks, pages and budget share.
@@ -519,10 +572,19 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # its own block 0 (the table's fast path trusts its owner) and unmap it under the first one's live
 # blocks, so two managers of one group alias memory and fault. The constructor refuses; close()
 # the first one to make another, and get_kv_cache_manager hands back the live one. The check and
-# the registration happen under runtime._lock, with the whole construction in between: two
+# the registration happen under the registry's lock, with the whole construction in between: two
 # threads constructing at once are serialised, and the loser raises before it has made an
 # allocator, a thread or a segment (a check outside the lock let both build allocators over one
 # page table, and the loser's close() unmapped pages under the winner's live blocks).
+#
+# Note [One registry]
+# The runtime owns the groups and their managers; a manager only uses what the runtime's Registry
+# hands it (its group, the lock, the other managers) and registers and leaves through it, so this
+# module imports nothing above it and nothing imports in a circle (tests/test_layers.py checks).
+# A manager made directly (KVCacheManager(...), as engines do) gets the runtime's registry from
+# registry_provider, which the package sets when it is imported (kvcached/__init__.py, the one
+# place that knows both layers); the runtime module is then imported on the first construction,
+# and it initialises kvcached with the defaults if init_kvcached() was not called, as before.
 #
 # Note [Hot path binding]
 # alloc, free, alloc_into, free_from and available_size are rebound per instance to the Cython

@@ -4,9 +4,13 @@
 torch tensors, ``get_kv_cache_manager`` hands out the group's manager, ``shutdown_kvcached``
 unmaps and releases everything (init may be called again afterwards).
 
+The runtime is the one registry of groups and managers: a manager gets what it needs of it
+through ``REGISTRY`` at construction (Note [One registry] in kv_cache_manager).
+
 Lock rule: ``_lock`` guards the registry below; every function here takes it, and so do the
-manager's constructor and close() (Note [One manager per group] in kv_cache_manager). These
-are start-up and shutdown calls, never on the alloc/free path. See Note [Runtime life cycle].
+manager's constructor and close(), through ``REGISTRY.lock`` (Note [One manager per group] in
+kv_cache_manager). These are start-up and shutdown calls, never on the alloc/free path. See
+Note [Runtime life cycle].
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from typing import TYPE_CHECKING
 from . import config
 from .checks import as_int
 from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
+from .kv_cache_manager import MAX_LIMIT_BYTES, MAX_REVISION, KVCacheManager
 from .layout import KVLayout, choose_layout, make_layout
+from .mem_info_tracker import NO_LIMIT, classify_limit_request, split_limit
 
 if TYPE_CHECKING:
     from ._core import Backend, PageTable
-    from .kv_cache_manager import KVCacheManager
 
 logger = logging.getLogger("kvcached")
 
@@ -337,8 +342,6 @@ def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_l
     """The manager of `group_id`, created on first use; later calls with the same arguments get the
     same manager. Raises KVCachedConfigError when the group's live manager was made with other
     arguments (a group has one manager at a time)."""
-    from .kv_cache_manager import KVCacheManager
-
     num_blocks, block_size, cell_size, num_layers, num_kv_buffers = (
         as_int(value, name, minimum=1) for value, name in (
             (num_blocks, "num_blocks"), (block_size, "block_size"), (cell_size, "cell_size"),
@@ -355,10 +358,10 @@ def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_l
         # Otherwise a live manager of the group makes the constructor refuse: See Note
         # [One manager per group] in kv_cache_manager.
         return KVCacheManager(num_blocks, block_size, cell_size, num_layers, num_kv_buffers=num_kv_buffers,
-                              group_id=group_id, pool_name=pool_name)
+                              group_id=group_id, pool_name=pool_name, registry=REGISTRY)
 
 
-def managers() -> list:
+def managers() -> list[KVCacheManager]:
     """Every live manager of this process (for instance-wide limits); none in a forked child."""
     with _lock:
         if _runtime is None or _runtime.forked:
@@ -379,9 +382,6 @@ def set_instance_memory_limit(limit_bytes: int, *, revision: int) -> dict:
     Raises KVCachedArgumentError (a ValueError) for a limit outside [-1, MAX_LIMIT_BYTES] or a
     revision outside [0, MAX_REVISION], bools and floats included (nothing changed).
     """
-    from .kv_cache_manager import MAX_LIMIT_BYTES, MAX_REVISION
-    from .mem_info_tracker import NO_LIMIT, classify_limit_request, split_limit
-
     limit_bytes = as_int(limit_bytes, "limit_bytes", minimum=NO_LIMIT, maximum=MAX_LIMIT_BYTES,
                          hint="bytes, or -1 for no limit", error=KVCachedArgumentError)
     revision = as_int(revision, "revision", minimum=0, maximum=MAX_REVISION,
@@ -447,6 +447,33 @@ def stop_at_exit() -> None:
     close themselves (atexit runs the last registration first). Assumes _lock."""
     atexit.unregister(_shutdown_at_exit)
     atexit.register(_shutdown_at_exit)
+
+
+class _Registry:
+    """The runtime as its managers see it (kv_cache_manager.Registry). See Note [One registry]
+    in kv_cache_manager."""
+
+    @property
+    def lock(self) -> threading.RLock:
+        return _lock        # read at each use: the fork handler replaces it
+
+    def group(self, group_id: int, num_layers: int, num_kv_buffers: int, block_bytes: int,
+              num_blocks: int) -> KVGroup:
+        return kv_group(group_id, num_layers, num_kv_buffers, block_bytes, num_blocks)
+
+    def managers(self) -> list[KVCacheManager]:
+        return managers()
+
+    def add(self, group: KVGroup, manager: KVCacheManager) -> None:
+        group.managers.append(manager)
+        stop_at_exit()
+
+    def remove(self, group: KVGroup, manager: KVCacheManager) -> None:
+        if manager in group.managers:
+            group.managers.remove(manager)
+
+
+REGISTRY = _Registry()
 
 
 def _shutdown_at_exit() -> None:

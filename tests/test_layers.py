@@ -1,0 +1,129 @@
+"""The package's import graph follows its layers: no cycle, no import pointing up.
+
+The layer order is STYLE.md's: cli -> runtime -> kv_cache_manager -> _core, with the shared-memory
+and utility modules below; ops, serving, integration and demo use only the public API. Parses the
+sources (every import statement, those inside functions included), so it imports nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "kvcached"
+
+# Bottom first; a module may import its own layer or any below it (cycles are checked apart).
+LAYERS = (
+    {"errors", "sizes", "checks", "config", "_shm"},
+    {"_core", "mem_info_tracker", "budget"},
+    {"layout"},
+    {"kv_cache_manager"},
+    {"runtime"},
+    {""},                                           # the package: public API re-exports
+    {"cli"},
+)
+# The public API: what applications built on kvcached may import from it.
+PUBLIC = {"", "runtime", "kv_cache_manager", "budget", "mem_info_tracker", "errors", "checks",
+          "config", "sizes"}
+# Applications, bottom first: each may import the public API, itself and the ones below it.
+APPS = ("ops", "serving", "integration", "demo")
+
+
+def module_name(path: Path) -> str:
+    """Dotted name below the package ("" for kvcached itself), e.g. "cli.kvctl"."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    found = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    found["_core"] = PACKAGE / "_core.pyx"
+    return found
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of kvcached that ``name`` imports, by the dotted names of ``modules()``."""
+    is_package = path.name == "__init__.py"
+    here = name.split(".") if name else []
+    found: set[str] = set()
+
+    def add(target: str, names: list[str]) -> None:
+        for alias in names:
+            sub = f"{target}.{alias}".lstrip(".")
+            found.add(sub if sub in known else target)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "kvcached" or alias.name.startswith("kvcached."):
+                    found.add(alias.name[len("kvcached."):] if "." in alias.name else "")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here if is_package else here[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module == "kvcached" or (node.module or "").startswith("kvcached."):
+                target = node.module[len("kvcached"):].lstrip(".")
+            else:
+                continue
+            add(target, [alias.name for alias in node.names])
+    found.discard(name)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(name, path, set(known)) for name, path in known.items()
+            if path.suffix == ".py"}
+
+
+def layer_of(name: str) -> int | None:
+    for rank, layer in enumerate(LAYERS):
+        if name in layer or name.split(".")[0] in layer - {""}:
+            return rank
+    return None
+
+
+def app_of(name: str) -> int | None:
+    top = name.split(".")[0]
+    return APPS.index(top) if top in APPS else None
+
+
+def test_the_parser_sees_known_edges():
+    """The check can fail: it finds imports that exist, relative and absolute, in functions too."""
+    edges = graph()
+    assert "kv_cache_manager" in edges["runtime"]
+    assert "_core" in edges["kv_cache_manager"]                     # inside a method
+    assert {"budget", "mem_info_tracker"} <= edges["cli.kvctl"]
+    assert "_shm" in edges["budget"]
+
+
+def test_no_import_cycle():
+    try:
+        list(graphlib.TopologicalSorter(graph()).static_order())
+    except graphlib.CycleError as exc:
+        pytest.fail(f"import cycle in kvcached: {' -> '.join(exc.args[1])}")
+
+
+def test_imports_point_down():
+    upward = []
+    for source, targets in graph().items():
+        for target in targets:
+            app = app_of(source)
+            if app is not None:
+                target_app = app_of(target)
+                if target_app is None and target not in PUBLIC:
+                    upward.append(f"{source} -> {target} (not public API)")
+                elif target_app is not None and target_app > app:
+                    upward.append(f"{source} -> {target} (a higher application)")
+                continue
+            rank, target_rank = layer_of(source), layer_of(target)
+            assert rank is not None, f"kvcached.{source} is in no layer: add it to LAYERS or APPS"
+            if target_rank is None or target_rank > rank:
+                upward.append(f"{source} -> {target}")
+    assert not upward, "imports pointing up: " + "; ".join(sorted(upward))
