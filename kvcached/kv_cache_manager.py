@@ -24,7 +24,7 @@ from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigEr
 from .mem_info_tracker import I64_MAX, NO_LIMIT, MemInfoTracker, classify_limit_request
 
 if TYPE_CHECKING:
-    from ._core import BlockAllocator, PageAllocator, PageTable
+    from ._core import BlockAllocator, PageAllocator, PageTable, _BlockAllocatorStats
     from .budget import Budget
     from .layout import KVLayout
 
@@ -442,7 +442,7 @@ class KVCacheManager:
         self._check_open()
         return self._blocks.page_occupancy(page_ids)
 
-    def stats(self) -> dict:
+    def stats(self) -> _BlockAllocatorStats:
         """Block and page counters, consistent per allocator."""
         self._check_open()
         return self._blocks.stats()

@@ -49,12 +49,18 @@ it is off by default and layouts only pass the flag through (``KVLayout.page_tab
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
 from .checks import as_int
 from .errors import KVCachedConfigError
+
+if TYPE_CHECKING:
+    from ._core import Backend, PageTable, VirtualRange
+
+_Range = TypeVar("_Range")  # a VirtualRange; check_invariants passes range indices
 
 LAYOUT_NAMES = ("per_layer", "interleaved", "page_grouped")
 SHAPE_KINDS = ("flash_attn", "flashinfer", "mla")
@@ -145,7 +151,7 @@ class KVLayout:
         """Bytes of each virtual range to reserve, in order (multiples of the granularity)."""
         raise NotImplementedError
 
-    def segments(self, ranges: Sequence) -> list[tuple[object, int]]:
+    def segments(self, ranges: Sequence[_Range]) -> list[tuple[_Range, int]]:
         """PageTable segments ``[(VirtualRange, offset_bytes)]`` over ranges reserved in the
         order and sizes of ``range_sizes()``."""
         raise NotImplementedError
@@ -196,7 +202,8 @@ class KVLayout:
         within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
         return starts + within
 
-    def page_table(self, backend, ranges: Sequence, zero_page: bool = False):
+    def page_table(self, backend: Backend, ranges: Sequence[VirtualRange],
+                   zero_page: bool = False) -> PageTable:
         """A ``PageTable`` over ``ranges`` (reserved as ``range_sizes()`` says). ``zero_page`` is
         passed through; see the module docstring for its trade-off."""
         from ._core import PageTable

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from . import config
 from .checks import as_int
 from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
-from .kv_cache_manager import MAX_LIMIT_BYTES, MAX_REVISION, KVCacheManager
+from .kv_cache_manager import MAX_LIMIT_BYTES, MAX_REVISION, Group, KVCacheManager
 from .layout import KVLayout, choose_layout, make_layout
 from .mem_info_tracker import NO_LIMIT, classify_limit_request, split_limit
 
@@ -464,11 +464,11 @@ class _Registry:
     def managers(self) -> list[KVCacheManager]:
         return managers()
 
-    def add(self, group: KVGroup, manager: KVCacheManager) -> None:
+    def add(self, group: Group, manager: KVCacheManager) -> None:
         group.managers.append(manager)
         stop_at_exit()
 
-    def remove(self, group: KVGroup, manager: KVCacheManager) -> None:
+    def remove(self, group: Group, manager: KVCacheManager) -> None:
         if manager in group.managers:
             group.managers.remove(manager)
 
