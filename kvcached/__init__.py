@@ -1,7 +1,23 @@
 """kvcached: an elastic KV cache for LLM serving on CUDA virtual memory.
 
+The layers, each calling only the ones below it (tests/test_layers.py checks the Python side)::
+
+    ops/, serving/, integration/vllm/   applications: the public API only (this module, runtime,
+                                        KVCacheManager, budget, mem_info_tracker)
+    CLI              cli/kvctl.py, cli/kvtop.py   operators: read segments, request limits
+    runtime          runtime.py            the one registry: backend, groups, managers
+    manager          kv_cache_manager.py   engine-facing policy: limits, budget, publishing
+    block allocator  _block_allocator.pxi  block ids over pages          -+
+    page allocator   _page_allocator.pxi   free set, reserved pool, refill |  the compiled
+    page table       _page_table.pxi, _range.pxi   ranges, map/unmap    |  core, _core.pyx
+    backend          _backend.pxi, _driver.pxi     CUDA or host memory -+
+
+Beside them: layout.py (where each block lives in the ranges), mem_info_tracker.py and budget.py
+(shared-memory segments, over _shm.py), and errors, config, checks, sizes at the bottom.
+
 The public API is re-exported here lazily, so that ``kvctl`` and the tracker import neither torch
-nor the compiled core.
+nor the compiled core. Importing the package also gives a manager made without a registry the
+runtime's (Note [One registry] in kv_cache_manager).
 """
 
 from importlib import import_module
