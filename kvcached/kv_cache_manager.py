@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import config
+from ._steps import Steps
 from .checks import as_int
 from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
 from .mem_info_tracker import I64_MAX, NO_LIMIT, MemInfoTracker, classify_limit_request
@@ -523,27 +524,19 @@ class KVCacheManager:
     def _teardown(self) -> None:
         """Join every thread of this manager, then give back its blocks, pages and budget share.
         Each step runs even if one before it failed; the first error is raised at the end."""
-        errors: list[BaseException] = []
-
-        def step(action, *args) -> None:
-            try:
-                action(*args)
-            except Exception as exc:            # keep tearing down; report the first failure
-                errors.append(exc)
-
+        steps = Steps()
         self._closed.set()
         if self._publisher is not None:
             self._publisher.join()
         if self._tracker is not None:
-            step(self._tracker.close)           # joins the watcher: no limit is applied after this
+            steps.run(self._tracker.close)      # joins the watcher: no limit is applied after this
         if hasattr(self, "_blocks"):
-            step(self._blocks.close)            # frees every block; stops the refill thread, unmaps every page
+            steps.run(self._blocks.close)       # frees every block; stops the refill thread, unmaps every page
         elif hasattr(self, "_pages"):
-            step(self._pages.close)
+            steps.run(self._pages.close)
         if self._budget is not None:
-            step(self._budget.close)
-        if errors:
-            raise errors[0]
+            steps.run(self._budget.close)
+        steps.raise_first()
 
     def _mark_forked(self) -> None:
         """In a forked child: make every method raise, and close() a no-op (Note [Manager life

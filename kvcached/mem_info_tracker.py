@@ -242,6 +242,11 @@ class Snapshot:
         return asdict(self)
 
 
+# Fields a Snapshot holds as the segment stores them (the others are decoded or derived).
+_SNAPSHOT_COPIES = tuple(field for field in _FIELDS if field not in (
+    "magic", "segment_bytes", "limit_seq", "name", "limit_status", "ack_status"))
+
+
 def _status_name(code: int) -> str:
     return STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else f"unknown({code})"
 
@@ -261,32 +266,13 @@ def _parse(raw: bytes, path: str, consistent: bool) -> Snapshot:
     return Snapshot(
         name=values["name"].rstrip(b"\0").decode(errors="replace"),
         path=path,
-        version=values["version"],
-        pid=values["pid"],
-        start_time=values["start_time"],
-        pid_ns=values["pid_ns"],
-        created_ns=values["created_ns"],
-        heartbeat_ns=values["heartbeat_ns"],
-        page_size_bytes=values["page_size_bytes"],
-        used_bytes=values["used_bytes"],
-        reserved_bytes=values["reserved_bytes"],
-        limit_bytes=values["limit_bytes"],
-        limit_revision=values["limit_revision"],
         limit_status=_status_name(values["limit_status"]),
-        capacity_bytes=values["capacity_bytes"],
-        ack_request_seq=values["ack_request_seq"],
         ack_status=_status_name(values["ack_status"]),
-        ack_ns=values["ack_ns"],
-        request_seq=values["request_seq"],
-        request_limit_bytes=values["request_limit_bytes"],
-        request_revision=values["request_revision"],
-        request_pid=values["request_pid"],
-        request_ns=values["request_ns"],
-        usage_seq=values["usage_seq"],
         heartbeat_age_s=age_s,
         alive=alive,
         stale=not alive or age_s > STALE_AFTER_S,
         consistent=consistent,
+        **{field: values[field] for field in _SNAPSHOT_COPIES},
     )
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import config
+from ._steps import Steps
 from .checks import as_int
 from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
 from .kv_cache_manager import MAX_LIMIT_BYTES, MAX_REVISION, Group, KVCacheManager
@@ -419,27 +420,17 @@ def shutdown_kvcached() -> None:
         if rt.forked:
             config.reload_settings()
             return
-        errors: list[Exception] = []
+        steps = Steps()
         for group in rt.groups.values():
             for manager in list(group.managers):
-                try:
-                    manager._close(
-                        f"the KVCacheManager of group {group.group_id} was closed by shutdown_kvcached(): call "
-                        f"init_kvcached() and alloc_kv_cache() again, then make a new manager.")
-                except Exception as exc:
-                    errors.append(exc)
-            try:
-                group.page_table.close()
-            except Exception as exc:
-                errors.append(exc)
-        try:
-            rt.backend.release_cached()
-        except Exception as exc:
-            errors.append(exc)
+                steps.run(manager._close,
+                          f"the KVCacheManager of group {group.group_id} was closed by shutdown_kvcached(): call "
+                          f"init_kvcached() and alloc_kv_cache() again, then make a new manager.")
+            steps.run(group.page_table.close)
+        steps.run(rt.backend.release_cached)
         rt.groups.clear()
         config.reload_settings()
-        if errors:
-            raise errors[0]
+        steps.raise_first()
 
 
 def stop_at_exit() -> None:

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcached"
 
 # Bottom first; a module may import its own layer or any below it (cycles are checked apart).
 LAYERS = (
-    {"errors", "sizes", "checks", "config", "_shm"},
+    {"errors", "sizes", "checks", "config", "_shm", "_steps"},
     {"_core", "mem_info_tracker", "budget"},
     {"layout"},
     {"kv_cache_manager"},
