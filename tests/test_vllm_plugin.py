@@ -7,6 +7,7 @@ segment shared with a second holder, subprocesses for what must not leak into th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -16,30 +17,31 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kvcached.errors import KVCachedConfigError  # noqa: E402
-from kvcached.integration.vllm.version import SUPPORTED_VLLM, check_vllm_version  # noqa: E402
+from kvcached.errors import KVCachedConfigError, KVCachedError
+from kvcached.integration.vllm.version import SUPPORTED_VLLM, check_vllm_version
 
 try:
     check_vllm_version()
 except KVCachedConfigError as exc:
     pytest.skip(str(exc), allow_module_level=True)
 
-import torch  # noqa: E402
-import vllm.v1.core.block_pool as vllm_block_pool  # noqa: E402
-import vllm.v1.core.kv_cache_coordinator as vllm_coordinator  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager  # noqa: E402
-from vllm.v1.core.kv_cache_utils import (  # noqa: E402
+import torch
+import vllm.v1.core.block_pool as vllm_block_pool
+import vllm.v1.core.kv_cache_coordinator as vllm_coordinator
+from _procs import unique_name
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     get_request_block_hasher,
     init_none_hash,
     make_block_hash_with_group_id,
 )
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
@@ -48,12 +50,11 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.request import Request
 
-from _procs import unique_name  # noqa: E402
-from kvcached import init_kvcached  # noqa: E402
-from kvcached.integration.vllm import (  # noqa: E402
+from kvcached import init_kvcached
+from kvcached.integration.vllm import (
     ElasticBlockPool,
     PoolGeometry,
     allocate_kv_cache,
@@ -69,6 +70,7 @@ PAGE = 64 << 10                     # 64 KiB pages: small pools span several of 
 SMALL_BLOCKS = PoolGeometry(block_size=1, cell_size=1024, num_layers=1, num_kv_buffers=1)    # 64 blocks a page
 PER_PAGE = PAGE // 1024
 TOKENS_PER_BLOCK = 4
+ENTRY_POINT = "kvcached = kvcached.integration.vllm:register"      # as pyproject.toml declares it
 
 
 @pytest.fixture
@@ -129,7 +131,7 @@ def _pages_of_held_blocks(pool: ElasticBlockPool) -> int:
 def _run_python(code: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, KVCACHED_TRACKER="0", **(env_extra or {}))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
-                          timeout=300)
+                          timeout=300, check=False)
 
 
 def test_importing_kvcached_changes_nothing_in_vllm():
@@ -189,9 +191,9 @@ def test_enable_refuses_another_vllm_release_and_changes_nothing(tmp_path):
     dist = tmp_path / "vllm-0.32.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
-    result = _run_python("""
-        import sys; sys.path.insert(0, %r)
-        from kvcached.errors import KVCachedConfigError
+    result = _run_python(f"""
+        import sys; sys.path.insert(0, {str(tmp_path)!r})
+        from kvcached.errors import KVCachedConfigError, KVCachedError
         import kvcached.integration.vllm as kv
         for switch in (kv.enable, kv.register):
             try:
@@ -206,10 +208,37 @@ def test_enable_refuses_another_vllm_release_and_changes_nothing(tmp_path):
             kv.ElasticBlockPool
         except KVCachedConfigError:
             print("pool refused")
-    """ % str(tmp_path))
+    """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("refused: vllm 0.32.0 is installed") == 2, result.stdout
     assert SUPPORTED_VLLM in result.stdout and "pool refused" in result.stdout
+
+
+def test_vllms_plugin_loader_enables_kvcached_through_the_entry_point(tmp_path):
+    """vLLM's own load_general_plugins() finds the entry point (declared by a distribution record
+    as pip writes it) and calls register(): afterwards the coordinator builds our pool."""
+    import importlib
+
+    try:
+        importlib.import_module("vllm.v1.worker.gpu_model_runner")
+    except ImportError as exc:
+        pytest.skip(f"vLLM's GPU worker modules do not import here: {exc}")
+    dist = tmp_path / "kvcached_plugin_probe-0.1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcached-plugin-probe\nVersion: 0.1.0\n")
+    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{ENTRY_POINT}\n")
+    result = _run_python(f"""
+        import sys; sys.path.insert(0, {str(tmp_path)!r})
+        import vllm.v1.core.kv_cache_coordinator as kc
+        from vllm.plugins import load_general_plugins
+        assert kc.BlockPool.__name__ == "BlockPool"
+        load_general_plugins()
+        from kvcached.integration.vllm import ElasticBlockPool, allocate_kv_cache
+        import vllm.v1.worker.gpu_model_runner as runner
+        assert kc.BlockPool is ElasticBlockPool and runner.allocate_kv_cache is allocate_kv_cache
+        print("enabled by vLLM")
+    """, {"VLLM_PLUGINS": "kvcached"})
+    assert result.returncode == 0 and "enabled by vLLM" in result.stdout, result.stderr
 
 
 def test_entry_point_is_declared_when_kvcached_is_installed():
@@ -220,7 +249,7 @@ def test_entry_point_is_declared_when_kvcached_is_installed():
         pytest.skip("kvcached is not installed with its vllm.general_plugins entry point here")
     from kvcached.integration.vllm import register
 
-    assert [p.load() for p in points] == [register]
+    assert [f"{p.name} = {p.value}" for p in points] == [ENTRY_POINT] and [p.load() for p in points] == [register]
 
 
 # -- the pool against vLLM's own pool ---------------------------------------------------------------
@@ -307,6 +336,45 @@ def test_freed_blocks_unmap_their_pages(kv):
     pool.free_blocks(reversed(blocks))
     assert _mapped_pages(pool) == 1 and pool.get_num_free_blocks() == 8 * PER_PAGE - 1
     pool.check_invariants()
+
+
+@pytest.mark.parametrize("victim_page", [0, 3])
+def test_touching_a_free_block_claims_that_id_from_kvcached(kv, victim_page):
+    """vLLM's touch() may take any free block as a hit (its tests and connectors do): the pool
+    then has kvcached hold that very id, so it is never handed out twice."""
+    set_pool_geometry(SMALL_BLOCKS)
+    pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
+    victim = pool.blocks[victim_page * PER_PAGE + 5]
+    pool.touch([victim])
+    assert victim.ref_cnt == 1 and pool._held[victim.block_id] and not pool._borrowed
+    pool.check_invariants()
+    assert _mapped_pages(pool) == _pages_of_held_blocks(pool) == (1 if victim_page == 0 else 2)
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert victim.block_id not in {block.block_id for block in taken}
+    pool.free_blocks(taken + [victim])
+    pool.check_invariants()
+    pool.close()
+
+
+def test_a_touched_block_kvcached_cannot_back_now_is_borrowed_not_double_allocated(kv):
+    set_pool_geometry(SMALL_BLOCKS)
+    pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
+    pool.manager.set_memory_limit(PAGE, revision=1)          # only the null block's page
+    victim = pool.blocks[3 * PER_PAGE]
+    pool.touch([victim])
+    assert pool._borrowed == {victim.block_id}
+    pool.check_invariants()
+    # kvcached's share is counted less the borrowed id (it may be among what kvcached hands out).
+    assert pool.get_num_free_blocks() == PER_PAGE - 2
+    taken = pool.get_new_blocks(PER_PAGE - 2)
+    pool.manager.set_memory_limit(-1, revision=2)            # kvcached may now hand out the id
+    more = pool.get_new_blocks(pool.get_num_free_blocks())
+    handed_out = [block.block_id for block in taken + more]
+    assert victim.block_id not in handed_out and len(set(handed_out)) == len(handed_out)
+    assert not pool._borrowed and pool._held[victim.block_id]   # backed for its user once handed to us
+    pool.free_blocks(taken + more + [victim])
+    pool.check_invariants()
+    pool.close()
 
 
 # -- honest free count, limits, a shared budget -------------------------------------------------
@@ -413,10 +481,8 @@ def test_budget_shared_with_another_holder(kv):
         pool.check_invariants()
         pool.close()
     finally:
-        try:
+        with contextlib.suppress(KVCachedError):
             delete_budget(name, force=True)
-        except Exception:
-            pass
 
 
 def test_a_second_process_sharing_the_budget_lowers_the_free_count(kv):
@@ -443,10 +509,8 @@ def test_a_second_process_sharing_the_budget_lowers_the_free_count(kv):
         pool.close()
     finally:
         other.communicate("\n", timeout=60)
-        try:
+        with contextlib.suppress(KVCachedError):
             delete_budget(name, force=True)
-        except Exception:
-            pass
 
 
 def test_reset_prefix_cache_works_under_a_limit(kv):
@@ -489,7 +553,7 @@ def _config(num_blocks: int, groups: dict[str, list[str]], overlay: bool) -> KVC
     region = page * num_blocks
     tensors, start = [], 0
     width = max(len(layers) for layers in groups.values())
-    for kind, layers in groups.items():
+    for layers in groups.values():
         offset = 0 if overlay else start
         tensors.append(KVCacheTensor(size=0, layers=layers, layer_stride=region, block_stride=page, offset=offset))
         start += region * len(layers)

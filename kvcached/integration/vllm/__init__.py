@@ -28,8 +28,20 @@ _NEEDS_VLLM = {
     "allocate_kv_cache": "kv_tensors",
 }
 
-__all__ = sorted(_NEEDS_VLLM) + ["SUPPORTED_VLLM", "check_vllm_version", "disable", "enable", "is_enabled",
-                                 "register"]
+__all__ = [
+    "STANDALONE_GEOMETRY",
+    "SUPPORTED_VLLM",
+    "ElasticBlockPool",
+    "PoolGeometry",
+    "allocate_kv_cache",
+    "check_vllm_version",
+    "disable",
+    "enable",
+    "is_enabled",
+    "pool_geometry",
+    "register",
+    "set_pool_geometry",
+]
 
 
 def __getattr__(name: str):

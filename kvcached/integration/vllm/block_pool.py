@@ -97,7 +97,8 @@ def _manager_for(num_blocks: int) -> tuple[KVCacheManager, int | None]:
         if geometry.group_id is None:
             idle = _idle_standalone_groups.get(num_blocks)
             standalone = idle.pop() if idle else next(_standalone_ids)
-    group_id = geometry.group_id if standalone is None else standalone
+    group_id = standalone if standalone is not None else geometry.group_id
+    assert group_id is not None
     try:
         manager = KVCacheManager(num_blocks, geometry.block_size, geometry.cell_size, geometry.num_layers,
                                  num_kv_buffers=geometry.num_kv_buffers, group_id=group_id, reserve_null_block=True)
@@ -148,6 +149,7 @@ class ElasticBlockPool(BlockPool):
         self._held = bytearray(num_gpu_blocks)
         self._held[self.null_block.block_id] = 1
         self._num_unheld = num_gpu_blocks - 1
+        self._borrowed: set[int] = set()    # in use but not held: See Note [Claiming a block]
         self._count_every_free_block = False
         self._blocks_per_page = manager.page_bytes // manager.block_bytes
         self._limit_check_s = LIMIT_CHECK_S
@@ -166,8 +168,9 @@ class ElasticBlockPool(BlockPool):
         num_free = self.free_block_queue.num_free_blocks
         if self._count_every_free_block:
             return num_free
-        unheld = self._num_unheld
-        return num_free - unheld + min(unheld, self.manager.available_size())
+        borrowed = len(self._borrowed)
+        unheld = self._num_unheld - borrowed
+        return num_free - unheld + min(unheld, max(0, self.manager.available_size() - borrowed))
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset, with blocks in use counted from the free queue rather than from the
@@ -187,7 +190,7 @@ class ElasticBlockPool(BlockPool):
         is changed then."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        blocks = self._take_unheld(min(num_blocks, self._num_unheld))
+        blocks = self._take_unheld(min(num_blocks, self._num_unheld - len(self._borrowed)))
         if len(blocks) < num_blocks:
             held = self._held_free_blocks(num_blocks - len(blocks))
             if held is None:            # kvcached's share shrank since the count: See Note [Honest free count]
@@ -210,26 +213,66 @@ class ElasticBlockPool(BlockPool):
 
     def _take_unheld(self, n: int) -> list[KVCacheBlock]:
         """Up to n blocks allocated from kvcached, taken out of the free queue (fewer, possibly
-        none, when its limit or budget stops it)."""
-        if n <= 0:
-            return []
-        ids = self.manager.alloc(n)
-        if ids is None:
-            n = min(n, self.manager.available_size())
-            ids = self.manager.alloc(n) if n > 0 else None
+        none, when its limit or budget stops it). A borrowed id kvcached hands out is kept for
+        its borrower (Note [Claiming a block]) and replaced by another."""
+        blocks: list[KVCacheBlock] = []
+        while len(blocks) < n:
+            want = n - len(blocks)
+            ids = self.manager.alloc(want)
             if ids is None:
-                return []
-        blocks = [self.blocks[block_id] for block_id in ids]
-        for block in blocks:
-            self.free_block_queue.remove(block)
-            self._held[block.block_id] = 1
-        self._num_unheld -= len(blocks)
+                want = min(want, self.manager.available_size())
+                ids = self.manager.alloc(want) if want > 0 else None
+                if ids is None:
+                    break
+            for block_id in ids:
+                self._held[block_id] = 1
+                self._num_unheld -= 1
+                if block_id in self._borrowed:
+                    self._borrowed.discard(block_id)
+                else:
+                    block = self.blocks[block_id]
+                    self.free_block_queue.remove(block)
+                    blocks.append(block)
         return blocks
+
+    def touch(self, blocks) -> None:
+        """vLLM's touch; a block that kvcached does not hold for this pool (a free, uncached
+        block taken as a hit, as connectors and vLLM's tests do) is claimed from it."""
+        held = self._held
+        claim = {block.block_id: block for block in blocks
+                 if not block.is_null and block.ref_cnt == 0 and not held[block.block_id]}
+        super().touch(blocks)
+        if claim:
+            self._claim(list(claim))
+
+    def _claim(self, block_ids: list[int]) -> None:
+        """Make kvcached hold these ids (free in it, in use here). See Note [Claiming a block]."""
+        wanted = set(block_ids)
+        others: list[int] = []
+        batch = len(wanted)
+        while wanted:
+            count = min(batch, self.manager.available_size())
+            ids = self.manager.alloc(count) if count > 0 else None
+            if not ids:
+                break
+            for block_id in ids:
+                if block_id in wanted or block_id in self._borrowed:
+                    wanted.discard(block_id)
+                    self._borrowed.discard(block_id)
+                    self._held[block_id] = 1
+                    self._num_unheld -= 1
+                else:
+                    others.append(block_id)
+            batch *= 2
+        if others:
+            others.reverse()            # back in the order kvcached handed them out
+            self.manager.free(others)
+        self._borrowed |= wanted
 
     def _held_free_blocks(self, n: int) -> list[KVCacheBlock] | None:
         """The first n held blocks of the free queue (still in it), or None if there are fewer."""
         found: list[KVCacheBlock] = []
-        if n > self.free_block_queue.num_free_blocks - self._num_unheld:
+        if n > self.free_block_queue.num_free_blocks - (self._num_unheld - len(self._borrowed)):
             return None
         held = self._held
         for block in self.free_block_queue.iter_blocks_after(None):
@@ -260,7 +303,9 @@ class ElasticBlockPool(BlockPool):
         released = []
         for block in blocks:
             block_id = block.block_id
-            if (block.ref_cnt == 0 and block.pool is self and not block.is_null and held[block_id]
+            if block_id in self._borrowed and block.ref_cnt == 0:
+                self._forget_borrowed(block)
+            elif (block.ref_cnt == 0 and block.pool is self and not block.is_null and held[block_id]
                     and block.block_hash is None and block_id not in self.cached_block_hashes_by_block):
                 held[block_id] = 0
                 released.append(block_id)
@@ -269,6 +314,13 @@ class ElasticBlockPool(BlockPool):
             self.manager.free(released)
             self._num_unheld += len(released)
         self._follow_limit()
+
+    def _forget_borrowed(self, block: KVCacheBlock) -> None:
+        """A borrowed block became free: it is a plain free block again (kvcached never gave it
+        to us); a cache entry made meanwhile is dropped, as its data was never backed."""
+        self._borrowed.discard(block.block_id)
+        if block.block_hash is not None or block.block_id in self.cached_block_hashes_by_block:
+            self._maybe_evict_cached_block(block)
 
     def release_free_pages(self) -> int:
         """Give kvcached every free block this pool holds (prefix-cache entries dropped) on pages
@@ -327,7 +379,9 @@ class ElasticBlockPool(BlockPool):
                 continue
             assert (block.ref_cnt == 0) == (block_id in free), f"block {block_id}: ref_cnt {block.ref_cnt} vs queue"
             assert block.ref_cnt >= 0, f"block {block_id}: ref_cnt {block.ref_cnt}"
-            if not held:
+            if block_id in self._borrowed:
+                assert not held and block.ref_cnt > 0, f"borrowed block {block_id} held or free"
+            elif not held:
                 assert block.ref_cnt == 0 and block.block_hash is None, f"unheld block {block_id} in use or cached"
         assert num_held + self._num_unheld == self.num_gpu_blocks, "held count"
         assert self.manager.stats()["allocated"] == num_held, "manager and pool disagree on held blocks"
@@ -359,6 +413,17 @@ class ElasticBlockPool(BlockPool):
 # count falls to what the limit leaves as requests finish. Not in get_num_free_blocks: vLLM
 # looks up prefix hits (free cached blocks), then counts free blocks, then touches the hits, and
 # a release in between would hand a hit's block back to kvcached; no free comes in between.
+#
+# Note [Claiming a block]
+# vLLM's touch() takes any free block as a prefix hit. Hits normally are cached blocks, which
+# this pool holds; a connector (or vLLM's own tests) may touch a free block that kvcached holds
+# for no one, and it must then back that very id. KVCacheManager has no call that allocates a
+# given id, so _claim allocates in growing batches until the ids come up and frees the others
+# back in reverse, which leaves kvcached's order of handing out ids as it was. Within one page
+# the wanted ids come first (kvcached's order is the free queue's), so it costs one batch. If a
+# limit stops the search first, the block is *borrowed*: in use, not held (not counted as
+# allocatable, and kept for its user if kvcached hands the id out later); nothing maps its page
+# until then, so only a bookkeeping-only pool (standalone, no tensors) may rely on that.
 #
 # Note [Honest free count]
 # vLLM admits a request when get_num_free_blocks() covers it and then calls get_new_blocks

@@ -39,7 +39,7 @@ def enable(*, worker: bool = True) -> None:
     check_vllm_version()
     from .block_pool import ElasticBlockPool
 
-    hooks = [(module, name, ElasticBlockPool) for module, name in SCHEDULER_HOOKS]
+    hooks: list[tuple[str, str, object]] = [(module, name, ElasticBlockPool) for module, name in SCHEDULER_HOOKS]
     if worker:
         from .kv_tensors import allocate_kv_cache
 
