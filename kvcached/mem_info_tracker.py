@@ -82,7 +82,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-from ._shm import (  # noqa: F401  (I64_MAX, MAX_NAME_BYTES, own_identity: re-exported)
+from ._shm import (  # noqa: F401  (MAX_NAME_BYTES: re-exported)
     I64_MAX,
     MAX_NAME_BYTES,
     SHM_DIR,
