@@ -77,7 +77,7 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
-MAX_NAME_BYTES = 200        # what a segment name may take (mem_info_tracker.MAX_NAME_BYTES)
+MAX_NAME_BYTES = 200        # what a segment name may take (_shm.MAX_NAME_BYTES)
 
 
 def _name(text: str) -> str:

@@ -79,7 +79,10 @@ def _check_usable(rt: _Runtime) -> None:
             f"init_kvcached().")
 
 
-def _parse_device(device) -> str:
+def resolve_device(device: object) -> str:
+    """The device string kvcached uses for ``device`` ("cpu" or "cuda:N"); None picks the current
+    CUDA device when CUDA is usable, else "cpu". Raises KVCachedConfigError for a device that does
+    not exist or is not understood, naming the ones that would work."""
     from ._core import cuda_device_count, cuda_unavailable_reason
 
     if device is None:
@@ -160,7 +163,7 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
     logging.getLogger("kvcached").setLevel(settings.log_level)
     page_bytes = settings.page_size_mb << 20 if page_size_bytes is None else page_size_bytes
     with _lock:
-        wanted = _parse_device(device)
+        wanted = resolve_device(device)
         if _runtime is not None:
             _check_usable(_runtime)
             # page_size_bytes=None asks for no particular size: engines call init again without it
@@ -282,7 +285,7 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
         if _runtime is None:
             init_kvcached(device=device)
         rt = runtime()
-        if device is not None and _parse_device(device) != rt.device:
+        if device is not None and resolve_device(device) != rt.device:
             raise KVCachedConfigError(f"device={device!r} differs from the initialised device {rt.device}")
         existing = rt.groups.get(group_id)
         if existing is not None and existing.tensors is not None:

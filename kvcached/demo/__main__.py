@@ -52,11 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from ..errors import KVCachedConfigError
-    from ..runtime import _parse_device
+    from ..runtime import resolve_device
     from .run import DemoError, Options, run, terminate_on_sigterm
 
     try:
-        device = _parse_device(args.device)
+        device = resolve_device(args.device)
     except KVCachedConfigError as exc:
         parser.error(str(exc))
     out_dir = os.path.dirname(os.path.abspath(args.out))
