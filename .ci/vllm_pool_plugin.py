@@ -22,7 +22,6 @@ _built = 0      # ElasticBlockPools constructed during the run
 
 def _swap_in_elastic_pool() -> type:
     """Initialise kvcached on the host backend and enable it in vLLM as a user would."""
-    global _built
     os.environ.setdefault("KVCACHED_TRACKER", "0")
     os.environ.setdefault("KVCACHED_MIN_RESERVED_PAGES", "0")
     from kvcached import init_kvcached
