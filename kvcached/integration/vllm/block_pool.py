@@ -137,6 +137,10 @@ class ElasticBlockPool(BlockPool):
     Not thread-safe, like vLLM's pool (the scheduler calls it from one thread).
     """
 
+    # False: a page whose blocks are all free goes back to kvcached even if some are cached, so
+    # memory follows the load; True: cached blocks keep their pages (vLLM's cache, whole).
+    keep_idle_cached_pages = False
+
     def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
                  enable_kv_cache_events: bool = False, metrics_collector=None, num_hash_lookahead_tokens: int = 0,
                  medium: str = MEDIUM_GPU):
@@ -151,7 +155,9 @@ class ElasticBlockPool(BlockPool):
         self._num_unheld = num_gpu_blocks - 1
         self._borrowed: set[int] = set()    # in use but not held: See Note [Claiming a block]
         self._count_every_free_block = False
-        self._blocks_per_page = manager.page_bytes // manager.block_bytes
+        # Ids are dense: page p holds ids [p * per_page, (p + 1) * per_page) (the null block's page
+        # 0 is never clipped but by num_blocks, which then fits in it).
+        self._blocks_per_page = manager.get_page_occupancy([0])[0][1]
         self._limit_check_s = LIMIT_CHECK_S
         self._next_limit_check = 0.0
         self._finalizer = weakref.finalize(self, _close_manager, manager, num_gpu_blocks, standalone_group)
@@ -313,7 +319,26 @@ class ElasticBlockPool(BlockPool):
             released.reverse()          # kvcached hands out the last freed id first
             self.manager.free(released)
             self._num_unheld += len(released)
+        if not self.keep_idle_cached_pages:
+            self._release_idle_pages(blocks)
         self._follow_limit()
+
+    def _release_idle_pages(self, blocks: list[KVCacheBlock]) -> None:
+        """Give back the pages of these blocks that hold no block in use any more (only free
+        cached ones): See Note [Held blocks]. O(blocks on those pages)."""
+        per_page, held = self._blocks_per_page, self._held
+        null_page = self.null_block.block_id // per_page
+        pages = {block.block_id // per_page for block in blocks if block.ref_cnt == 0 and held[block.block_id]}
+        pages.discard(null_page)
+        for page in pages:
+            idle: list[KVCacheBlock] = []
+            for block in self.blocks[page * per_page:(page + 1) * per_page]:
+                if held[block.block_id]:
+                    if block.ref_cnt:
+                        break
+                    idle.append(block)
+            else:
+                self._release(idle)
 
     def _forget_borrowed(self, block: KVCacheBlock) -> None:
         """A borrowed block became free: it is a plain free block again (kvcached never gave it
@@ -339,17 +364,22 @@ class ElasticBlockPool(BlockPool):
         occupancy = self.manager.get_page_occupancy(list(by_page))
         released = [block for page, blocks in by_page.items() if occupancy[page][0] == len(blocks)
                     for block in blocks]
-        for block in released:
+        self._release(released)
+        return len(released)
+
+    def _release(self, blocks: list[KVCacheBlock]) -> None:
+        """Free held blocks (ref_cnt 0) go back to kvcached, their prefix-cache entries dropped."""
+        if not blocks:
+            return
+        for block in blocks:
             if block.block_hash is not None or block.block_id in self.cached_block_hashes_by_block:
                 self._maybe_evict_cached_block(block)
-            held[block.block_id] = 0
+            self._held[block.block_id] = 0
             self.free_block_queue.remove(block)
-        if released:
-            # Uncached free blocks sit in front of the held ones in vLLM's queue: move them there.
-            self.free_block_queue.prepend_n(released)
-            self.manager.free([block.block_id for block in reversed(released)])
-            self._num_unheld += len(released)
-        return len(released)
+        # Uncached free blocks sit in front of the held ones in vLLM's queue: move them there.
+        self.free_block_queue.prepend_n(blocks)
+        self.manager.free([block.block_id for block in reversed(blocks)])
+        self._num_unheld += len(blocks)
 
     def _follow_limit(self) -> None:
         """While the manager's limit is deferred, give back free pages: looked at every
@@ -406,7 +436,11 @@ class ElasticBlockPool(BlockPool):
 # back in reverse come out in the queue's order: within a page the pool hands out exactly the
 # ids vLLM's own pool would (its tests check that order). get_new_blocks takes fresh ids first
 # and then held free blocks in queue order, as vLLM pops uncached blocks before cached ones.
-# release_free_pages is the elastic eviction: it drops the cache entries of free blocks on pages
+# Eviction by page: when free_blocks leaves a page with no block in use (only free cached ones),
+# the page goes back with its cache entries (keep_idle_cached_pages=False, the default), so the
+# mapped memory follows the blocks in use; the cache lives on pages that running requests keep.
+# The null block's page never empties, so a pool of one page keeps vLLM's cache whole.
+# release_free_pages is the same eviction for every page at once: it drops the cache entries of free blocks on pages
 # that hold nothing in use, so those whole pages unmap. A lowered limit needs it: kvcached defers
 # the limit until pages empty, and pages of cached blocks would never empty. free_blocks looks
 # at the limit every LIMIT_CHECK_S and, while it is deferred, releases such pages, so the free
