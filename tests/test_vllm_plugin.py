@@ -358,6 +358,22 @@ def test_freed_blocks_unmap_their_pages(kv, layout, geometry):
     pool.close()
 
 
+def test_unpinned_blocks_are_reported_reused_before_their_page_goes_back(kv):
+    """unpin_blocks keeps blocks readable until the pool reuses them; giving their page back is
+    a reuse, so the reader hears of it before the memory goes."""
+    set_pool_geometry(SMALL_BLOCKS)
+    pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
+    blocks = pool.get_new_blocks(2 * PER_PAGE)          # the rest of page 0, all of page 1, one of page 2
+    on_page_1 = [b for b in blocks if b.block_id // PER_PAGE == 1]
+    reused: list = []
+    pool.unpin_blocks(on_page_1[:3], reused.append)
+    assert reused == [] and _mapped_pages(pool) == 3
+    pool.free_blocks(on_page_1[3:])                     # page 1 now holds only unpinned blocks
+    assert sorted(b.block_id for b in reused) == [b.block_id for b in on_page_1[:3]] and _mapped_pages(pool) == 2
+    pool.check_invariants()
+    pool.close()
+
+
 @pytest.mark.parametrize("victim_page", [0, 3])
 def test_touching_a_free_block_claims_that_id_from_kvcached(kv, victim_page):
     """vLLM's touch() may take any free block as a hit (its tests and connectors do): the pool

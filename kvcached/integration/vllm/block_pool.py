@@ -328,7 +328,7 @@ class ElasticBlockPool(BlockPool):
         cached ones): See Note [Held blocks]. O(blocks on those pages)."""
         per_page, held = self._blocks_per_page, self._held
         null_page = self.null_block.block_id // per_page
-        pages = {block.block_id // per_page for block in blocks if block.ref_cnt == 0 and held[block.block_id]}
+        pages = {block.block_id // per_page for block in blocks if block.ref_cnt == 0 and block.pool is self}
         pages.discard(null_page)
         for page in pages:
             idle: list[KVCacheBlock] = []
@@ -368,9 +368,12 @@ class ElasticBlockPool(BlockPool):
         return len(released)
 
     def _release(self, blocks: list[KVCacheBlock]) -> None:
-        """Free held blocks (ref_cnt 0) go back to kvcached, their prefix-cache entries dropped."""
+        """Free held blocks (ref_cnt 0) go back to kvcached, their prefix-cache entries dropped;
+        readers of unpinned ones are told first, as when vLLM reuses a block."""
         if not blocks:
             return
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
         for block in blocks:
             if block.block_hash is not None or block.block_id in self.cached_block_hashes_by_block:
                 self._maybe_evict_cached_block(block)
