@@ -417,10 +417,20 @@ class KVCacheManager:
     def memory_limit(self) -> dict:
         """The current limit, its revision and status (applied or deferred)."""
         with self._limit_lock:
-            self._check_open()
-            if self._limit_status == "deferred" and self._limit_met():   # tracker off: no publisher
-                self._limit_status = "applied"
-            return self._limit_state(self._limit_status)
+            return self._limit_state(self._refreshed_limit_status())
+
+    @property
+    def limit_status(self) -> str:
+        """"applied" or "deferred", without the figures memory_limit() gathers: O(1) unless a
+        deferred limit is being checked (engines poll it on their free path)."""
+        with self._limit_lock:
+            return self._refreshed_limit_status()
+
+    def _refreshed_limit_status(self) -> str:
+        self._check_open()
+        if self._limit_status == "deferred" and self._limit_met():   # tracker off: no publisher
+            self._limit_status = "applied"
+        return self._limit_status
 
     # -- introspection -------------------------------------------------------------------------
     def get_mapped_memory_size(self, unit: str = "bytes") -> float:

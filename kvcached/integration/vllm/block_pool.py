@@ -390,7 +390,7 @@ class ElasticBlockPool(BlockPool):
         now = time.monotonic()
         if now < self._next_limit_check:
             return
-        if self.manager.memory_limit()["status"] == "deferred" and not self.release_free_pages():
+        if self.manager.limit_status == "deferred" and not self.release_free_pages():
             self._limit_check_s = min(2 * self._limit_check_s, LIMIT_CHECK_MAX_S)
         else:
             self._limit_check_s = LIMIT_CHECK_S
