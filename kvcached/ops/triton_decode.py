@@ -121,10 +121,10 @@ def _combine_kernel(m_part_ptr, l_part_ptr, o_part_ptr, out_ptr, so_seq, so_head
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-def cache_address(cache: torch.Tensor) -> tuple[int, object]:
-    """(base address as an int, its triton element type): how a cache reaches a kernel.
-    See Note [Cache base address]."""
-    return cache.data_ptr(), _TL_DTYPES[cache.dtype]
+def element_type(cache: torch.Tensor) -> object:
+    """The triton element type of a cache, which reaches a kernel as a bare address
+    (``cache.data_ptr()``). See Note [Cache base address]."""
+    return _TL_DTYPES[cache.dtype]
 
 
 def device_of(tensor: torch.Tensor):
@@ -172,7 +172,7 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     stages = {"num_warps": 4, "num_stages": 3} if query.is_cuda else {}
     with device_of(query):
         _decode_kernel[(batch, geometry.num_kv_heads, splits)](
-            query, cache_address(k_cache)[0], cache_address(v_cache)[0], block_tables, seq_lens, out,
+            query, k_cache.data_ptr(), v_cache.data_ptr(), block_tables, seq_lens, out,
             m_part, l_part, o_part,
             scale * LOG2_E, sliding_window or 0,
             *query.stride(), *geometry.k_strides, *geometry.v_strides, block_tables.stride(0), *out.stride(),
@@ -180,7 +180,7 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             BLOCK_SIZE=geometry.block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
             USE_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            CACHE_DTYPE=cache_address(k_cache)[1], **stages)
+            CACHE_DTYPE=element_type(k_cache), **stages)
         if splits > 1:
             _combine_kernel[(batch, heads)](
                 m_part, l_part, o_part, out, *out.stride(), heads,

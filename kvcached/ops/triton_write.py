@@ -10,7 +10,7 @@ import triton  # type: ignore[import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from ._args import CacheGeometry
-from .triton_decode import cache_address, device_of
+from .triton_decode import device_of, element_type
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
     tokens, heads = key.shape[0], key.shape[1]
     with device_of(k_cache):
         _write_kernel[(tokens, heads)](
-            key, value, cache_address(k_cache)[0], cache_address(v_cache)[0], slot_mapping,
+            key, value, k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping,
             *key.stride(), *value.stride(), *geometry.k_strides, *geometry.v_strides,
             BLOCK_SIZE=geometry.block_size, HEAD_DIM=geometry.head_dim,
-            D_PAD=triton.next_power_of_2(geometry.head_dim), CACHE_DTYPE=cache_address(k_cache)[1])
+            D_PAD=triton.next_power_of_2(geometry.head_dim), CACHE_DTYPE=element_type(k_cache))
