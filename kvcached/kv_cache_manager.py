@@ -85,6 +85,35 @@ def _default_registry() -> Registry:
     return registry_provider()
 
 
+def check_geometry(num_blocks: object, block_size: object, cell_size: object, num_layers: object,
+                   num_kv_buffers: object, group_id: object) -> tuple[int, int, int, int, int, int]:
+    """The manager's geometry arguments as ints: sizes >= 1, group_id >= 0. Raises
+    KVCachedConfigError naming the bad one (bools and floats included). Shared by the
+    constructor and runtime.get_kv_cache_manager, which compares before constructing."""
+    sizes = tuple(as_int(value, name, minimum=1) for value, name in (
+        (num_blocks, "num_blocks"), (block_size, "block_size"), (cell_size, "cell_size"),
+        (num_layers, "num_layers"), (num_kv_buffers, "num_kv_buffers")))
+    return (*sizes, as_int(group_id, "group_id", minimum=0))  # type: ignore[return-value]
+
+
+def check_limit_request(limit_bytes: object, revision: object) -> tuple[int, int]:
+    """(limit_bytes, revision) as ints within what the segment's int64 fields hold. Raises
+    KVCachedArgumentError (a ValueError) otherwise, bools and floats included."""
+    return (as_int(limit_bytes, "limit_bytes", minimum=NO_LIMIT, maximum=MAX_LIMIT_BYTES,
+                   hint="bytes, or -1 for no limit", error=KVCachedArgumentError),
+            as_int(revision, "revision", minimum=0, maximum=MAX_REVISION,
+                   hint="a revision above the current one", error=KVCachedArgumentError))
+
+
+def refuse_async_sched(async_sched: object) -> None:
+    """async_sched is accepted for compatibility with engines' calls, but only False: allocation
+    is synchronous. Raises KVCachedConfigError for a true value."""
+    if async_sched:
+        raise KVCachedConfigError(
+            f"async_sched={async_sched!r} is not supported: allocation is synchronous (alloc returns the "
+            f"ids, or None, before it returns), so there is nothing to overlap; pass async_sched=False")
+
+
 def _clipped_intervals(layout, num_blocks: int):
     """(first, count, pages) of the layout's pages, keeping only ids below num_blocks (dense
     layouts) or the first num_blocks usable ids (sparse page_grouped ids), so the manager never
@@ -129,20 +158,14 @@ class KVCacheManager:
                  pp_rank: int = 0, async_sched: bool = False, reserve_null_block: bool = False,
                  num_kv_buffers: int = 2, group_id: int = 0, pool_name: str | None = None, *,
                  registry: Registry | None = None) -> None:
-        num_blocks, block_size, cell_size, num_layers, num_kv_buffers = (
-            as_int(value, name, minimum=1) for value, name in (
-                (num_blocks, "num_blocks"), (block_size, "block_size"), (cell_size, "cell_size"),
-                (num_layers, "num_layers"), (num_kv_buffers, "num_kv_buffers")))
-        group_id = as_int(group_id, "group_id", minimum=0)
+        num_blocks, block_size, cell_size, num_layers, num_kv_buffers, group_id = check_geometry(
+            num_blocks, block_size, cell_size, num_layers, num_kv_buffers, group_id)
         self.pp_rank = as_int(pp_rank, "pp_rank", minimum=0)
         if as_int(world_size, "world_size", minimum=1) != 1:
             raise KVCachedConfigError(
                 f"world_size={world_size}: each rank runs its own KVCacheManager with world_size=1 "
                 f"(pages are mapped by the process that allocates them)")
-        if async_sched:
-            raise KVCachedConfigError(
-                f"async_sched={async_sched!r} is not supported: allocation is synchronous (alloc returns the "
-                f"ids, or None, before it returns), so there is nothing to overlap; pass async_sched=False")
+        refuse_async_sched(async_sched)
         if pool_name is not None and not isinstance(pool_name, str):
             raise KVCachedConfigError(f"pool_name={pool_name!r} must be a str (it suffixes the segment name) or None")
         settings = config.settings()
@@ -378,10 +401,7 @@ class KVCacheManager:
 
     def _apply_limit(self, limit_bytes: int, revision: int) -> dict:
         """Validate, then apply a limit request (set_memory_limit, or the tracker's watcher)."""
-        limit_bytes = as_int(limit_bytes, "limit_bytes", minimum=NO_LIMIT, maximum=MAX_LIMIT_BYTES,
-                             hint="bytes, or -1 for no limit", error=KVCachedArgumentError)
-        revision = as_int(revision, "revision", minimum=0, maximum=MAX_REVISION,
-                          hint="a revision above the current one", error=KVCachedArgumentError)
+        limit_bytes, revision = check_limit_request(limit_bytes, revision)
         with self._limit_lock:
             self._check_open()
             kind = classify_limit_request(self._limit_bytes, self._limit_revision, limit_bytes, revision)

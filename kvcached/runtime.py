@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 from . import config
 from ._steps import Steps
 from .checks import as_int
-from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
-from .kv_cache_manager import MAX_LIMIT_BYTES, MAX_REVISION, Group, KVCacheManager
+from .errors import KVCachedClosedError, KVCachedConfigError
+from .kv_cache_manager import Group, KVCacheManager, check_geometry, check_limit_request, refuse_async_sched
 from .layout import KVLayout, choose_layout, make_layout
-from .mem_info_tracker import NO_LIMIT, classify_limit_request, split_limit
+from .mem_info_tracker import classify_limit_request, split_limit
 
 if TYPE_CHECKING:
     from ._core import Backend, PageTable
@@ -148,10 +148,7 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
             f"in the process that allocates them; start one instance per rank with world_size=1.")
     tp_rank = as_int(tp_rank, "tp_rank", minimum=0)
     pp_rank = as_int(pp_rank, "pp_rank", minimum=0)
-    if async_sched:
-        raise KVCachedConfigError(
-            f"async_sched={async_sched!r} is not supported: allocation is synchronous (alloc returns the ids, or "
-            f"None, before it returns); pass async_sched=False")
+    refuse_async_sched(async_sched)
     if page_size_bytes is not None:
         page_size_bytes = as_int(page_size_bytes, "page_size_bytes", minimum=1, maximum=MAX_PAGE_BYTES,
                                  hint="bytes, a multiple of the backend granularity, or None for "
@@ -346,11 +343,8 @@ def get_kv_cache_manager(num_blocks: int, block_size: int, cell_size: int, num_l
     """The manager of `group_id`, created on first use; later calls with the same arguments get the
     same manager. Raises KVCachedConfigError when the group's live manager was made with other
     arguments (a group has one manager at a time)."""
-    num_blocks, block_size, cell_size, num_layers, num_kv_buffers = (
-        as_int(value, name, minimum=1) for value, name in (
-            (num_blocks, "num_blocks"), (block_size, "block_size"), (cell_size, "cell_size"),
-            (num_layers, "num_layers"), (num_kv_buffers, "num_kv_buffers")))
-    group_id = as_int(group_id, "group_id", minimum=0)
+    num_blocks, block_size, cell_size, num_layers, num_kv_buffers, group_id = check_geometry(
+        num_blocks, block_size, cell_size, num_layers, num_kv_buffers, group_id)
     with _lock:
         rt = runtime()
         group = rt.groups.get(group_id)
@@ -386,10 +380,7 @@ def set_instance_memory_limit(limit_bytes: int, *, revision: int) -> dict:
     Raises KVCachedArgumentError (a ValueError) for a limit outside [-1, MAX_LIMIT_BYTES] or a
     revision outside [0, MAX_REVISION], bools and floats included (nothing changed).
     """
-    limit_bytes = as_int(limit_bytes, "limit_bytes", minimum=NO_LIMIT, maximum=MAX_LIMIT_BYTES,
-                         hint="bytes, or -1 for no limit", error=KVCachedArgumentError)
-    revision = as_int(revision, "revision", minimum=0, maximum=MAX_REVISION,
-                      hint="a revision above the current one", error=KVCachedArgumentError)
+    limit_bytes, revision = check_limit_request(limit_bytes, revision)
     with _lock:
         runtime()
         pools = managers()
