@@ -123,8 +123,13 @@ cdef class PageTable:
     cdef uint64_t* handles                      # [page * num_segments + segment]; 0 = none
     cdef uint8_t* mapped                        # per page id: 0 unmapped, 1 mapped, 2 partly unmapped after a failure (unmap only)
     cdef uint64_t zero_handle                   # the shared zero page (0 when zero_page is off)
-    cdef int map_pages(self, const int32_t* page_ids, int n) except -1 nogil    # 0 / _OOM; all or nothing
-    cdef int unmap_pages(self, const int32_t* page_ids, int n) except -1 nogil  # stops at the first failure
+    cdef readonly object mirror                 # repeats maps/unmaps on peers, or None (Note [Mirrored page table])
+    cdef int map_pages(self, const int32_t* page_ids, int n) except -1 nogil    # 0 / _OOM; all or nothing, mirrored
+    cdef int _map_mirrored(self, const int32_t* page_ids, int n) except -1      # GIL held
+    cdef int _map_local(self, const int32_t* page_ids, int n) except -1 nogil   # 0 / _OOM; all or nothing, this table only
+    cdef int unmap_pages(self, const int32_t* page_ids, int n) except -1 nogil  # returns how many the driver refused; mirrored
+    cdef int _unmap_mirrored(self, const int32_t* page_ids, int n) except -1    # GIL held
+    cdef int _unmap_local(self, const int32_t* page_ids, int n) except -1 nogil # this table only
     cdef int _check_usable(self) except -1 nogil                                # raises when closed / forked
     cdef int _map_forward(self, const int32_t* page_ids, int n, int* pages_done, int* segments_done, int* stage) except -1 nogil
     cdef int _undo_map(self, const int32_t* page_ids, int pages_done, int segments_done, int stage, int cached_before, bint raising) except -1 nogil

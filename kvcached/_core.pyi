@@ -233,6 +233,14 @@ class VirtualRange:
 # -- page table ----------------------------------------------------------------------------------
 
 @disjoint_base
+class PageMirror(Protocol):
+    """Repeats a page table's maps and unmaps on peer ranks; see Note [Mirrored page table]."""
+
+    def map_start(self, page_ids: list[int]) -> None: ...
+    def map_finish(self, mapped_here: bool) -> bool: ...
+    def unmap_start(self, page_ids: list[int]) -> None: ...
+    def unmap_finish(self) -> None: ...
+
 class PageTable:
     """Maps the page ids of one KV group through a backend, all or nothing; thread-safe (one lock)."""
 
@@ -290,6 +298,11 @@ class PageTable:
     def unmap(self, page_ids: _PageIds) -> None:
         """Unmap the page ids; MappingError (nothing changed) for an id out of range, repeated or unmapped;
         DriverError when the driver refused some (those stay mapped: unmap them again)."""
+    @property
+    def mirror(self) -> PageMirror | None:
+        """What repeats this table's maps and unmaps on peers (tensor parallelism), or None."""
+    def set_mirror(self, mirror: PageMirror | None) -> None:
+        """Attach (only while no page id is mapped: MappingError) or detach the mirror."""
     def driver_floor(self, page_id: int, repeats: int = 50) -> dict[str, list[float]]:
         """Benchmark hook: µs per pass under "raw_map_us", "raw_unmap_us", "primitives_map_us"."""
     def is_mapped(self, page_id: int) -> bool:

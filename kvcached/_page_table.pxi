@@ -192,7 +192,41 @@ cdef class PageTable:
 
     # -- the data path -----------------------------------------------------------------------
     cdef int map_pages(self, const int32_t* page_ids, int n) except -1 nogil:
-        """Map every page id in `page_ids` (each valid and unmapped: the caller checked).
+        """Map every page id in `page_ids` (each valid and unmapped: the caller checked) here
+        and, with a mirror, on its peers too (Note [Mirrored page table]): 0, or _OOM with
+        every table as before. Raises what _map_local or the mirror raises, nothing left
+        mapped but what an undo could not unmap (marked 2)."""
+        if self.mirror is None:                 # a racy read: the mirror is set before any map
+            return self._map_local(page_ids, n)
+        with gil:
+            return self._map_mirrored(page_ids, n)
+
+    cdef int _map_mirrored(self, const int32_t* page_ids, int n) except -1:
+        cdef int rc = -1
+        mirror = self.mirror
+        ids = [page_ids[i] for i in range(n)]
+        mirror.map_start(ids)                   # raises: nothing mapped anywhere
+        try:
+            with nogil:
+                rc = self._map_local(page_ids, n)
+        except BaseException:
+            mirror.map_finish(False)            # the peers undo; the local error goes on
+            raise
+        try:
+            peers_mapped = mirror.map_finish(rc == 0)
+        except BaseException:
+            if rc == 0:
+                with nogil:
+                    self._unmap_local(page_ids, n)
+            raise
+        if rc == 0 and not peers_mapped:
+            with nogil:
+                self._unmap_local(page_ids, n)  # what fails to go stays marked 2: the caller settles it
+            rc = _OOM
+        return rc
+
+    cdef int _map_local(self, const int32_t* page_ids, int n) except -1 nogil:
+        """Map every page id in `page_ids` on this table's backend.
 
         Returns 0, or _OOM with the table exactly as before. On a driver error, undoes this
         call's steps and raises it; a step of the undo that fails too leaves its page id marked
@@ -374,6 +408,34 @@ cdef class PageTable:
         return 0
 
     cdef int unmap_pages(self, const int32_t* page_ids, int n) except -1 nogil:
+        """_unmap_local, and with a mirror the same ids on its peers (Note [Mirrored page
+        table]): this table's page ids are unmapped even when the mirror fails, whose error is
+        raised afterwards."""
+        if self.mirror is None:
+            return self._unmap_local(page_ids, n)
+        with gil:
+            return self._unmap_mirrored(page_ids, n)
+
+    cdef int _unmap_mirrored(self, const int32_t* page_ids, int n) except -1:
+        cdef int failed = 0
+        mirror = self.mirror
+        first = None
+        try:
+            mirror.unmap_start([page_ids[i] for i in range(n)])
+        except BaseException as exc:
+            first = exc
+        with nogil:
+            failed = self._unmap_local(page_ids, n)
+        if first is None:
+            try:
+                mirror.unmap_finish()
+            except BaseException as exc:
+                first = exc
+        if first is not None:
+            raise first
+        return failed
+
+    cdef int _unmap_local(self, const int32_t* page_ids, int n) except -1 nogil:
         """Unmap the page ids in `page_ids` that are mapped (others are skipped); handles go back
         through the backend's cache. Returns how many could not be unmapped because the driver
         refused an unmap: each stays marked mapped (2: only unmapping may follow) with the
@@ -497,6 +559,27 @@ cdef class PageTable:
                     failed = self.unmap_pages(&ids[0], <int>ids.shape[0])
         if failed:
             raise self.last_unmap_error
+
+    def set_mirror(self, mirror) -> None:
+        """Repeat every map and unmap of this table through `mirror` from now on (None: stop).
+
+        `mirror` has map_start(ids), map_finish(mapped_here) -> bool, unmap_start(ids) and
+        unmap_finish(); see Note [Mirrored page table] for the contract. Attaching needs a
+        table with no page id mapped (peers start empty too): MappingError otherwise."""
+        if mirror is not None:
+            for name in ("map_start", "map_finish", "unmap_start", "unmap_finish"):
+                if not callable(getattr(mirror, name, None)):
+                    raise KVCachedConfigError(f"mirror {mirror!r} has no method {name}(); see PageTable.set_mirror")
+        with nogil:
+            pthread_mutex_lock(&self.lock)
+        try:
+            self._check_usable()
+            if mirror is not None and self.num_mapped:
+                raise MappingError(f"set_mirror needs a table with no page id mapped ({self.num_mapped} are); "
+                                   f"attach the mirror before the first map")
+            self.mirror = mirror
+        finally:
+            pthread_mutex_unlock(&self.lock)
 
     def driver_floor(self, int page_id, int repeats=50):
         """Benchmark hook: what mapping `page_id` costs in driver calls alone. Takes one handle
@@ -699,3 +782,26 @@ cdef class PageTable:
 # exact ints is checked in a C loop instead, with the same errors in the same order (range, then
 # duplicates, then mapped state). Anything else (arrays, numpy ints, bools, floats) takes the numpy
 # path, which is what decides how those are accepted or refused.
+
+
+# Note [Mirrored page table]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Under tensor parallelism every rank holds its share of the KV heads for the same page ids, so
+# a page id is usable only once every rank has mapped it. The scheduling rank's table carries a
+# mirror (kvcached/tp) and stays the one place that decides; map_pages and unmap_pages call it:
+#
+#   mirror.map_start(ids)         before mapping here: the peers start mapping at once, so the
+#                                 ranks map in parallel. Raising: nothing was mapped anywhere.
+#   mirror.map_finish(ok) -> bool always called after a map_start that returned, with whether
+#                                 this table mapped them; waits for the peers. True: every peer
+#                                 mapped all of them. False, or ok False: every peer that mapped
+#                                 has unmapped them again before it returns. Raising (a peer
+#                                 gone): this table unmaps them and the error goes on.
+#   mirror.unmap_start(ids)       before unmapping here; peers unmap what they have of ids.
+#   mirror.unmap_finish()         after; waits for them. This table unmaps either way, then a
+#                                 mirror error is raised.
+#
+# The mirror serialises its own start/finish pairs (a refill and an alloc may map at once) and
+# is called with the GIL held and no lock of this table taken. close() unmaps locally only: the
+# mirror's owner tears the peers down. Out of memory anywhere is out of memory: the map returns
+# _OOM with every rank as before, so an alloc returns None.
