@@ -10,12 +10,20 @@
   max_new_tokens) -> id``, ``step() -> finished Requests``, ``run_until_done() -> {id: tokens}``,
   ``has_work()``, ``abort(id)``, ``stats`` (LoopStats: running, waiting, finished, preemptions,
   generated_tokens, tokens_per_s, ...).
+- Tensor parallelism: ``shard_model(model, rank, world_size, group=)`` keeps one rank's heads and
+  MLP columns; ``shard_config(model.config, model.kvcached_shard)`` is what that rank's KV cache
+  is built from; ``TensorParallelLoop(model, cache, group=)`` (a ServingLoop) runs on rank 0 and
+  ``TensorParallelWorker(model, cache, group=).run()`` on the others. ``StepPlan`` is one step's
+  inputs as one tensor (what rank 0 broadcasts).
 """
 
 from .attention import ATTENTION_NAME, STEP_KWARG, StepMetadata
 from .cache import ElasticKVCache, PagedKVCache, StaticKVCache, kv_geometry
 from .loop import LoopStats, Request, ServingLoop
 from .model import FAMILIES, PRESETS, build_model, model_config
+from .plan import StepPlan
+from .shard import Shard, shard_config, shard_model
+from .tp import TensorParallelLoop, TensorParallelWorker
 
 __all__ = [
            "ATTENTION_NAME",
@@ -27,9 +35,15 @@ __all__ = [
            "PagedKVCache",
            "Request",
            "ServingLoop",
+           "Shard",
            "StaticKVCache",
            "StepMetadata",
+           "StepPlan",
+           "TensorParallelLoop",
+           "TensorParallelWorker",
            "build_model",
            "kv_geometry",
            "model_config",
+           "shard_config",
+           "shard_model",
 ]

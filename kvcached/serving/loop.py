@@ -16,7 +16,8 @@ import torch
 
 from kvcached.checks import as_int
 
-from .attention import ATTENTION_NAME, STEP_KWARG, StepMetadata
+from .attention import ATTENTION_NAME
+from .plan import StepPlan
 
 RATE_WINDOW = 32                # steps over which stats.tokens_per_s is measured
 
@@ -241,21 +242,14 @@ class ServingLoop:
             if end == len(request.tokens):
                 keep.append(starts[-1] - 1)
                 sampling.append(request)
-        device = self.device
-        step = StepMetadata(
-            cache=self.cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device))
-        with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([input_ids], device=device),
-                             position_ids=torch.tensor([positions], device=device),
-                             use_cache=False,
-                             logits_to_keep=torch.tensor(keep, dtype=torch.int64, device=device),
-                             **{STEP_KWARG: step})
-        tokens = out.logits[0].argmax(-1).tolist()
+        plan = StepPlan.build(input_ids, positions, slots, seq_lens, starts, keep, tables, self.device)
+        tokens = self._forward(plan).argmax(-1).tolist()
         return list(zip(sampling, tokens))
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """The logits of the step's sampled positions (a tensor-parallel leader sends the plan
+        to its workers first)."""
+        return plan.forward(self.model, self.cache)
 
     def _account(self, batch, generated: int, finished: int, elapsed: float) -> None:
         s = self.stats

@@ -1,0 +1,131 @@
+"""Split a Llama-family model across tensor-parallel ranks: attention heads and MLP columns.
+
+Every rank builds the full model (``build_model``, same seed, same weights) and keeps its part:
+q/k/v and gate/up split by output rows (whole heads), o_proj and down_proj by input columns with a
+sum over the ranks after them. Embeddings, norms and the LM head stay whole on every rank. See
+Note [Head split] for which heads a rank keeps and why not transformers' own tp_plan.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kvcached.checks import as_int
+
+from .cache import kv_geometry
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of the model one rank holds."""
+
+    rank: int
+    world_size: int
+    num_heads: int                  # query heads on this rank
+    num_kv_heads: int               # KV heads on this rank (its KV cache holds exactly these)
+    first_head: int
+    first_kv_head: int
+    intermediate: slice             # MLP columns of this rank
+
+
+def plan_shard(config, rank: int, world_size: int) -> Shard:
+    """Which heads and MLP columns rank `rank` of `world_size` keeps. Raises ValueError naming
+    the count that does not divide. See Note [Head split]."""
+    world_size = as_int(world_size, "world_size", minimum=1, error=ValueError)
+    rank = as_int(rank, "rank", minimum=0, maximum=world_size - 1, error=ValueError)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    for name, count in (("num_attention_heads", heads), ("intermediate_size", config.intermediate_size)):
+        if count % world_size:
+            raise ValueError(f"{name}={count} does not divide by world_size={world_size}; "
+                             f"use a world size that divides it")
+    if kv_heads % world_size and world_size % kv_heads:
+        raise ValueError(f"num_key_value_heads={kv_heads} and world_size={world_size}: one must divide the other "
+                         f"(KV heads are split, or replicated when there are fewer than ranks)")
+    width = config.intermediate_size // world_size
+    return Shard(rank, world_size, heads // world_size, max(1, kv_heads // world_size),
+                 rank * heads // world_size, rank * kv_heads // world_size, slice(rank * width, (rank + 1) * width))
+
+
+def shard_config(config, shard: Shard):
+    """A copy of `config` with this rank's head counts: what its KV cache is built from."""
+    _, _, head_dim = kv_geometry(config)
+    local = copy.deepcopy(config)
+    local.num_attention_heads = shard.num_heads
+    local.num_key_value_heads = shard.num_kv_heads
+    local.head_dim = head_dim
+    local.intermediate_size = shard.intermediate.stop - shard.intermediate.start
+    return local
+
+
+class RowParallelLinear(nn.Module):
+    """This rank's input columns of a Linear; the partial outputs are summed over the group,
+    then the bias is added once (so every rank ends with the same full output)."""
+
+    def __init__(self, full: nn.Linear, columns: slice, group=None):
+        super().__init__()
+        self.weight = nn.Parameter(full.weight.detach()[:, columns].clone(), requires_grad=False)
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone(), requires_grad=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = nn.functional.linear(x, self.weight)
+        dist.all_reduce(out, group=self.group)
+        return out if self.bias is None else out + self.bias
+
+
+def _keep_rows(linear: nn.Linear, rows: slice) -> None:
+    """Cut a Linear down to output rows `rows` in place (the full weight is freed)."""
+    linear.weight = nn.Parameter(linear.weight.detach()[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[rows].clone(), requires_grad=False)
+    linear.out_features = rows.stop - rows.start
+
+
+def shard_model(model, rank: int, world_size: int, group=None):
+    """Keep rank `rank`'s part of every decoder layer of `model` (in place) and return the model;
+    ``model.kvcached_shard`` records the Shard. The group's all-reduce joins the parts, so every
+    rank must run each forward together. Raises ValueError (model unchanged) for a model that
+    does not split `world_size` ways or is split already."""
+    if getattr(model, "kvcached_shard", None) is not None:
+        raise ValueError(f"the model is split already ({model.kvcached_shard}); build a fresh one to split it again")
+    config = model.config
+    shard = plan_shard(config, rank, world_size)
+    _, _, head_dim = kv_geometry(config)
+    q_rows = slice(shard.first_head * head_dim, (shard.first_head + shard.num_heads) * head_dim)
+    kv_rows = slice(shard.first_kv_head * head_dim, (shard.first_kv_head + shard.num_kv_heads) * head_dim)
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        _keep_rows(attention.q_proj, q_rows)
+        _keep_rows(attention.k_proj, kv_rows)
+        _keep_rows(attention.v_proj, kv_rows)
+        attention.o_proj = RowParallelLinear(attention.o_proj, q_rows, group)
+        attention.num_key_value_groups = shard.num_heads // shard.num_kv_heads
+        _keep_rows(mlp.gate_proj, shard.intermediate)
+        _keep_rows(mlp.up_proj, shard.intermediate)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, shard.intermediate, group)
+    model.kvcached_shard = shard
+    return model
+
+
+# Note [Head split]
+# Rank r of w keeps query heads [r*H/w, (r+1)*H/w) and the KV heads they read: with KVH >= w
+# that is KV heads [r*KVH/w, (r+1)*KVH/w); with fewer KV heads than ranks (w a multiple of KVH)
+# each rank keeps the one KV head r*KVH//w, replicated on w/KVH ranks, as vLLM does. Both cases
+# are first = r*KVH//w: the query heads of a rank then all fall in that rank's KV groups (a group
+# holds H/KVH >= H/w heads). Each rank's KV cache holds only its KV heads (shard_config), so the
+# cache bytes per rank drop by w (or to one head). The attention output rows of a rank are its
+# query heads, so o_proj is split by the same columns and summed over the ranks; the MLP is split
+# by intermediate columns the same way: two all-reduces per layer, none elsewhere.
+#
+# The sum over ranks rounds differently from one matmul over all columns: in float32 the greedy
+# tokens match TP=1 (the tests check it); in bfloat16 the logits differ in their last bits and a
+# near tie can flip a token, as it does between any two kernels (bench_serve_tp reports agreement).
+#
+# transformers' own tp_plan (``from_pretrained(tp_plan="auto")``) loads checkpoints through
+# DTensor; it does not apply to a model built from a config with random weights, nor give a
+# KV-head count per rank to size a paged cache, so the split is done here, on the plain Linears.

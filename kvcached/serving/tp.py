@@ -1,0 +1,129 @@
+"""Tensor parallelism for the serving loop: one scheduling rank, workers that run its steps.
+
+Rank 0 of the group runs ``TensorParallelLoop`` (a ServingLoop: requests, scheduling, block ids,
+preemption and greedy sampling, all as at TP = 1); every other rank runs
+``TensorParallelWorker.run()``. Each step the leader broadcasts the StepPlan and every rank runs
+the forward of its shard (``shard_model``) over its own KV cache, which holds its KV heads for the
+same block ids. See Note [Leader and workers].
+"""
+
+from __future__ import annotations
+
+from typing import Self
+
+import torch
+import torch.distributed as dist
+
+from .loop import ServingLoop
+from .plan import NUM_SIZES, StepPlan
+from .shard import Shard
+
+STOP, STEP = 0, 1               # the command word of a step header
+HEADER_LEN = 1 + NUM_SIZES
+
+
+def _shard_of(model, cache, group, role: str) -> Shard:
+    """The model's Shard, checked against this process's place in `group` and the cache's heads."""
+    shard = getattr(model, "kvcached_shard", None)
+    if shard is None:
+        raise ValueError(f"the {role} needs a model split with kvcached.serving.shard_model(model, rank, world_size)")
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if (shard.rank, shard.world_size) != (rank, world_size):
+        raise ValueError(f"the model holds shard {shard.rank} of {shard.world_size}, but this process is rank {rank} "
+                         f"of {world_size} in the group; split it with shard_model(model, {rank}, {world_size})")
+    if cache.num_kv_heads != shard.num_kv_heads:
+        raise ValueError(f"the cache holds {cache.num_kv_heads} KV heads, this rank's shard {shard.num_kv_heads}; build "
+                         f"the cache from shard_config(model.config, model.kvcached_shard)")
+    return shard
+
+
+class TensorParallelLoop(ServingLoop):
+    """The ServingLoop of rank 0: schedules, sends every step to the workers, runs its own shard
+    and samples. ``close()`` (or leaving a ``with`` block) tells the workers to return.
+
+    Raises ValueError when the model is not split for this rank (rank 0 of the group), or the
+    cache holds another number of KV heads than the shard.
+    """
+
+    def __init__(self, model, cache, *, group=None, max_batch_tokens: int = 2048, max_running: int = 256):
+        shard = _shard_of(model, cache, group, "TensorParallelLoop")
+        if shard.rank != 0:
+            raise ValueError(f"TensorParallelLoop runs on rank 0 of the group, this is rank {shard.rank}; "
+                             f"run TensorParallelWorker(model, cache).run() there")
+        super().__init__(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running)
+        self.group = group
+        self.closed = False
+        self.steps_sent = 0         # forward steps the workers were given (steps with a batch)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        if self.closed:
+            raise RuntimeError("the TensorParallelLoop is closed (its workers have returned); start a new group")
+        self._send(STEP, plan.sizes)
+        dist.broadcast(plan.data, group=self.group, group_src=0)
+        self.steps_sent += 1
+        return super()._forward(plan)
+
+    def _send(self, command: int, sizes: tuple[int, ...]) -> None:
+        header = torch.tensor([command, *sizes], dtype=torch.int64, device=self.device)
+        dist.broadcast(header, group=self.group, group_src=0)
+
+    def close(self) -> None:
+        """Tell the workers to return from run(); idempotent."""
+        if not self.closed:
+            self.closed = True
+            self._send(STOP, (0,) * NUM_SIZES)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TensorParallelWorker:
+    """A rank > 0: runs each step the leader sends over its shard and its KV cache, until the
+    leader closes. Raises ValueError when the model is not split for this rank."""
+
+    def __init__(self, model, cache, *, group=None):
+        shard = _shard_of(model, cache, group, "TensorParallelWorker")
+        if shard.rank == 0:
+            raise ValueError("rank 0 schedules: run TensorParallelLoop there, TensorParallelWorker on the other ranks")
+        self.model = model
+        self.cache = cache
+        self.group = group
+        self.device = next(model.parameters()).device
+        self.steps = 0
+
+    def run(self) -> int:
+        """Follow the leader until it closes; returns the number of steps run."""
+        header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+        while True:
+            dist.broadcast(header, group=self.group, group_src=0)
+            command, *sizes = header.tolist()
+            if command == STOP:
+                return self.steps
+            if command != STEP:
+                raise RuntimeError(f"unknown command {command} from the leader (expected {STEP} or {STOP})")
+            data = torch.empty(StepPlan.data_len(tuple(sizes)), dtype=torch.int64, device=self.device)
+            dist.broadcast(data, group=self.group, group_src=0)
+            StepPlan(tuple(sizes), data).forward(self.model, self.cache, logits=False)
+            self.steps += 1
+
+
+# Note [Leader and workers]
+# As in vLLM, one process schedules and the others execute: requests, block ids, preemption and
+# sampling exist only on rank 0, so the ranks never have to agree on anything but the step they
+# are told. A step is two broadcasts from rank 0 over the model's group: a header (command and
+# the four sizes, 40 bytes) and the StepPlan's one int64 tensor, both on the model's device
+# (NCCL on GPUs, gloo on CPU). Each rank then runs its shard; the two all-reduces per layer inside
+# the forward keep the ranks in lockstep, and only rank 0 computes logits (the workers ask for
+# none, skipping the LM head). Greedy tokens never travel back: the next plan carries them.
+#
+# Block ids come from rank 0's cache. A worker's cache is the same kind of cache with the same
+# number of blocks, used only through its tensors: with StaticKVCache every id exists on every
+# rank; with kvcached's elastic cache rank 0's page table repeats its maps on the workers
+# (PageTable.set_mirror) before alloc returns, so a block id in a plan is backed on every rank.
+#
+# If the leader fails inside a step, the workers are left in a collective that will not
+# complete and see the process group's timeout; the group is then unusable, as in any
+# torch.distributed program. A clean end is close(), which every exit path of the leader calls.

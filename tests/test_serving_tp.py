@@ -1,0 +1,216 @@
+"""The serving loop at tensor parallelism 2 and 4 (kvcached.serving.tp, .shard, .plan).
+
+Each rank is a real process (torch.multiprocessing spawn) in a gloo group on CPU; every rank
+builds the same tiny float32 model with seeded random weights and keeps its heads and MLP
+columns; rank 0 schedules. The reference is the same workload through ServingLoop at TP = 1
+(itself checked against transformers' generate in test_serving): the greedy tokens must be the
+same, with a cache small enough that requests are preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_serving import serve, serving_model, workload
+
+from kvcached.serving import (
+    ServingLoop,
+    StaticKVCache,
+    StepPlan,
+    TensorParallelLoop,
+    TensorParallelWorker,
+    build_model,
+    model_config,
+    shard_config,
+    shard_model,
+)
+from kvcached.serving.shard import plan_shard
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24                 # 96 tokens: 6 requests of up to 53 tokens do not fit at once
+MAX_BATCH_TOKENS = 32
+RUN_TIMEOUT_S = 600.0           # spawning 4 interpreters that import torch on a loaded 2-core machine
+GROUP_TIMEOUT_S = 300.0
+
+
+def tp_workload(seed: int) -> list[tuple[int, list[int], int]]:
+    """6 requests of 1-29 prompt tokens and 24 new ones, arriving over 12 steps."""
+    return [(at, prompt, 24) for at, prompt, _ in workload(seed, count=6, longest=30)]
+
+
+def tp1_tokens(family: str, requests) -> tuple[dict[int, list[int]], int]:
+    """(tokens, preemptions) of the same workload through ServingLoop at TP = 1."""
+    model = serving_model(family)
+    loop = ServingLoop(model, StaticKVCache(model.config, NUM_BLOCKS, block_size=BLOCK_SIZE),
+                       max_batch_tokens=MAX_BATCH_TOKENS)
+    return serve(loop, requests), loop.stats.preemptions
+
+
+def _rank(rank: int, world_size: int, store: str, out: str, family: str, requests, backend: str,
+          device_type: str) -> None:
+    """One rank: join the group, split the model, run the loop (rank 0) or follow it."""
+    torch.set_num_threads(1)
+    device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    try:
+        model = shard_model(build_model(family, device=device), rank, world_size)
+        cache = StaticKVCache(shard_config(model.config, model.kvcached_shard), NUM_BLOCKS, block_size=BLOCK_SIZE,
+                              device=device)
+        if rank == 0:
+            with TensorParallelLoop(model, cache, max_batch_tokens=MAX_BATCH_TOKENS) as loop:
+                results = serve(loop, requests)
+            report = {"results": results, "preemptions": loop.stats.preemptions, "steps": loop.steps_sent,
+                      "free_blocks": cache.available_blocks()}
+        else:
+            report = {"steps": TensorParallelWorker(model, cache).run()}
+        Path(out, f"rank{rank}.json").write_text(json.dumps(report))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_tp(tmp_path: Path, world_size: int, family: str, requests, *, backend: str = "gloo",
+           device_type: str = "cpu") -> list[dict]:
+    """Spawn `world_size` ranks over `requests`; the per-rank reports. A rank that raises fails
+    the test with its traceback; ranks still running after RUN_TIMEOUT_S are killed."""
+    context = mp.spawn(_rank, args=(world_size, str(tmp_path / "store"), str(tmp_path), family, requests, backend,
+                                    device_type), nprocs=world_size, join=False)
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"TP={world_size} ranks still running after {RUN_TIMEOUT_S} s")
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    reports[0]["results"] = {int(k): v for k, v in reports[0]["results"].items()}
+    return reports
+
+
+def check_against_tp1(family: str, requests, reports: list[dict]) -> None:
+    expected, tp1_preemptions = tp1_tokens(family, requests)
+    leader = reports[0]
+    assert tp1_preemptions > 0 and leader["preemptions"] > 0, "the cache must be small enough to preempt"
+    assert leader["results"] == expected
+    assert leader["free_blocks"] == NUM_BLOCKS
+    assert all(report["steps"] == leader["steps"] for report in reports[1:]), "a worker missed a step"
+
+
+# -- TP = 2 and 4 against TP = 1 ----------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_tp2_matches_tp1(tmp_path, family):
+    """Two ranks (Qwen2: biased q/k/v; Mistral and Qwen2: a sliding window): TP = 1's tokens."""
+    requests = tp_workload(seed=40 + len(family))
+    check_against_tp1(family, requests, run_tp(tmp_path, 2, family, requests))
+
+
+def test_tp4_matches_tp1_with_replicated_kv_heads(tmp_path):
+    """Four ranks over a model of 2 KV heads: each rank keeps one query head and one KV head,
+    each KV head on two ranks."""
+    assert plan_shard(model_config(), 3, 4).num_kv_heads == 1
+    requests = tp_workload(seed=44)
+    check_against_tp1("llama", requests, run_tp(tmp_path, 4, "llama", requests))
+
+
+# -- the pieces, in one process ----------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 9), st.integers(1, 5)), min_size=1, max_size=6), seed=st.integers(0, 99))
+def test_step_plan_views_give_back_what_was_packed(rows, seed):
+    """Any batch of requests (new tokens, blocks): each view of the flat tensor is its list."""
+    rng = torch.Generator().manual_seed(seed)
+    width = max(blocks for _, blocks in rows)
+    fields = {"input_ids": [], "positions": [], "slot_mapping": [], "seq_lens": [], "query_start_loc": [0],
+              "logits_index": [], "block_tables": []}
+    for tokens, blocks in rows:
+        fields["input_ids"] += torch.randint(0, 500, (tokens,), generator=rng).tolist()
+        fields["positions"] += list(range(tokens))
+        fields["slot_mapping"] += torch.randint(0, 1 << 40, (tokens,), generator=rng).tolist()
+        fields["seq_lens"].append(tokens + blocks)
+        fields["query_start_loc"].append(fields["query_start_loc"][-1] + tokens)
+        fields["logits_index"].append(fields["query_start_loc"][-1] - 1)
+        fields["block_tables"].append(torch.randint(0, 1 << 31, (blocks,), generator=rng).tolist() + [0] * (width - blocks))
+    plan = StepPlan.build(**fields, device="cpu")
+    copy = StepPlan(plan.sizes, plan.data.clone())
+    for name, values in fields.items():
+        assert getattr(copy, name).tolist() == values, name
+
+
+def test_bad_splits_are_refused():
+    config = model_config()                        # 4 heads, 2 KV heads, intermediate 128
+    with pytest.raises(ValueError, match="num_attention_heads=4 does not divide by world_size=3"):
+        plan_shard(config, 0, 3)
+    with pytest.raises(ValueError, match="rank"):
+        plan_shard(config, 2, 2)
+    config.num_attention_heads, config.num_key_value_heads, config.head_dim = 12, 3, 16
+    with pytest.raises(ValueError, match="num_key_value_heads=3 and world_size=2"):
+        plan_shard(config, 0, 2)
+    model = shard_model(build_model(), 0, 2)
+    weight = model.model.layers[0].self_attn.q_proj.weight
+    with pytest.raises(ValueError, match="split already"):
+        shard_model(model, 0, 2)
+    assert model.model.layers[0].self_attn.q_proj.weight is weight
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    """A gloo group of this process alone (TP = 1 through the tensor-parallel classes)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_tp_loop_of_one_rank_is_the_serving_loop(single_rank_group):
+    """shard_model(model, 0, 1) + TensorParallelLoop alone: ServingLoop's tokens (the all-reduce
+    of one rank and the plan broadcast change nothing)."""
+    requests = tp_workload(seed=3)
+    model = shard_model(build_model(), 0, 1)
+    cache = StaticKVCache(shard_config(model.config, model.kvcached_shard), NUM_BLOCKS, block_size=BLOCK_SIZE)
+    with TensorParallelLoop(model, cache, max_batch_tokens=MAX_BATCH_TOKENS) as loop:
+        assert serve(loop, requests) == tp1_tokens("llama", requests)[0]
+    with pytest.raises(RuntimeError, match="closed"):
+        loop.add_request([1, 2], 2)
+        loop.step()
+
+
+def test_unsplit_or_mismatched_models_are_refused(single_rank_group):
+    plain = build_model()
+    with pytest.raises(ValueError, match="shard_model"):
+        TensorParallelLoop(plain, StaticKVCache(plain.config, 8))
+    split = shard_model(build_model(), 0, 1)
+    config = model_config()
+    config.num_key_value_heads = 1
+    with pytest.raises(ValueError, match="KV heads"):
+        TensorParallelLoop(split, StaticKVCache(config, 8))
+    with pytest.raises(ValueError, match="rank 0 schedules"):
+        TensorParallelWorker(split, StaticKVCache(split.config, 8))
+    other = shard_model(build_model(), 1, 2)
+    with pytest.raises(ValueError, match="shard 1 of 2"):
+        TensorParallelLoop(other, StaticKVCache(shard_config(other.config, other.kvcached_shard), 8))
+
+
+# -- GPU: NCCL between two devices ---------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gpu_tp2_nccl_matches_tp1(tmp_path, family):
+    """float32 on two GPUs, NCCL for the plan and the all-reduces; the reference runs on cuda:0."""
+    requests = tp_workload(seed=50)
+    reports = run_tp(tmp_path, 2, family, requests, backend="nccl", device_type="cuda")
+    model = build_model(family, device="cuda:0")
+    loop = ServingLoop(model, StaticKVCache(model.config, NUM_BLOCKS, block_size=BLOCK_SIZE, device="cuda:0"),
+                       max_batch_tokens=MAX_BATCH_TOKENS)
+    assert reports[0]["results"] == serve(loop, requests)
+    assert reports[0]["preemptions"] > 0
