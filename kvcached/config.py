@@ -118,6 +118,9 @@ SETTINGS: tuple[Setting, ...] = (
             "Logging level of the kvcached logger."),
     Setting("KVCACHED_DEBUG_CHECKS", _bool, False,
             "Run check_invariants() after every allocator step (slow; for debugging)."),
+    Setting("KVCACHED_TP_TIMEOUT_S", _float_in(0.1, 86400.0), 60.0,
+            "Seconds the scheduling rank waits for a tensor-parallel peer to answer a page operation "
+            "before the call raises KVCachedTPError (the peer died or hangs)."),
 )
 
 
@@ -135,6 +138,7 @@ class Settings:
     global_budget_bytes: int | None
     log_level: str
     debug_checks: bool
+    tp_timeout_s: float
 
 
 def _read(environ: dict[str, str]) -> Settings:

@@ -54,6 +54,17 @@ class BlockStateError(KVCachedError, ValueError):
     """A block id is unknown or not allocated (double free). Nothing was changed."""
 
 
+class KVCachedTPError(KVCachedError):
+    """A tensor-parallel peer rank failed a page operation, died or did not answer within
+    KVCACHED_TP_TIMEOUT_S. ``rank`` is the peer, ``operation`` what was asked of it. After a
+    peer died or timed out the instance's ranks no longer agree on what is mapped: every later
+    call that needs the peers raises this too; restart every rank."""
+
+    def __init__(self, message: str, rank: int | None = None, operation: str | None = None):
+        self.rank, self.operation = rank, operation
+        super().__init__(message)
+
+
 __all__ = [
     "KVCachedError",
     "KVCachedConfigError",
@@ -65,4 +76,5 @@ __all__ = [
     "OutOfDeviceMemory",
     "MappingError",
     "BlockStateError",
+    "KVCachedTPError",
 ]

@@ -47,6 +47,18 @@ class Group(Protocol):
     layout: KVLayout
     page_table: PageTable
     managers: list[KVCacheManager]
+    peers: Peers | None
+
+
+class Peers(Protocol):
+    """The other ranks of a tensor-parallel instance, as one group's manager sees them
+    (``kvcached.tp.TableMirror``, also the page table's mirror)."""
+
+    def release_cached(self) -> None:
+        """Every peer gives its cached physical handles back to its device."""
+
+    def check_peers(self, table: PageTable) -> None:
+        """Assert that every peer maps exactly the page ids `table` maps."""
 
 
 class Registry(Protocol):
@@ -64,6 +76,14 @@ class Registry(Protocol):
 
     def managers(self) -> list[KVCacheManager]:
         """Every live manager of this process."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the tensor-parallel instance (1 without tensor parallelism)."""
+
+    @property
+    def tp_rank(self) -> int:
+        """This process's rank in it; only rank 0 allocates."""
 
     def add(self, group: Group, manager: KVCacheManager) -> None:
         """Register ``manager`` as ``group``'s live manager. Assumes ``lock``."""
@@ -143,9 +163,10 @@ class KVCacheManager:
 
     Raises (constructor): KVCachedConfigError for a non-positive size, a geometry that differs
     from the group's tensors, a group that already has a live manager (Note [One manager per
-    group]), a segment name another manager of this process uses, world_size != 1 or
-    async_sched=True. A failed constructor leaves nothing behind. ``registry`` is the runtime's
-    (the default); see Note [One registry].
+    group]), a segment name another manager of this process uses, a world_size other than 1 or
+    init_kvcached's, a tp_rank > 0 (see Note [Tensor-parallel manager]) or async_sched=True. A
+    failed constructor leaves nothing behind. ``registry`` is the runtime's (the default); see
+    Note [One registry].
     """
 
     _pages: PageAllocator                   # set by _build; absent if construction failed first
@@ -161,15 +182,22 @@ class KVCacheManager:
         num_blocks, block_size, cell_size, num_layers, num_kv_buffers, group_id = check_geometry(
             num_blocks, block_size, cell_size, num_layers, num_kv_buffers, group_id)
         self.pp_rank = as_int(pp_rank, "pp_rank", minimum=0)
-        if as_int(world_size, "world_size", minimum=1) != 1:
-            raise KVCachedConfigError(
-                f"world_size={world_size}: each rank runs its own KVCacheManager with world_size=1 "
-                f"(pages are mapped by the process that allocates them)")
+        world_size = as_int(world_size, "world_size", minimum=1, hint="1, or init_kvcached's world_size")
         refuse_async_sched(async_sched)
         if pool_name is not None and not isinstance(pool_name, str):
             raise KVCachedConfigError(f"pool_name={pool_name!r} must be a str (it suffixes the segment name) or None")
         settings = config.settings()
         self._registry = _default_registry() if registry is None else registry
+        self.world_size = self._registry.world_size
+        if world_size not in (1, self.world_size):
+            raise KVCachedConfigError(
+                f"world_size={world_size}: kvcached was initialised with world_size={self.world_size} "
+                f"(init_kvcached); pass that, or 1. One manager on the scheduling rank serves every rank.")
+        if self._registry.tp_rank:
+            raise KVCachedConfigError(
+                f"tp_rank={self._registry.tp_rank}: only the scheduling rank (tp_rank=0) makes a KVCacheManager and "
+                f"allocates; this rank maps the pages rank 0 allocates by itself. Use the block ids rank 0 hands "
+                f"out (broadcast them with the step's inputs).")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.cell_size = cell_size
@@ -214,7 +242,8 @@ class KVCacheManager:
         self.layout = layout.name
         first, count, num_pages = _clipped_intervals(layout, self.num_blocks)
         self.num_pages = num_pages
-        self.page_bytes = self._group.page_table.page_bytes
+        # the instance's memory: every rank maps each page id (See Note [Tensor-parallel manager])
+        self.page_bytes = self._group.page_table.page_bytes * self.world_size
         self._pages = PageAllocator(self._group.page_table, num_pages=num_pages,
                                     min_reserved=settings.min_reserved_pages,
                                     max_reserved=settings.max_reserved_pages,
@@ -290,7 +319,12 @@ class KVCacheManager:
         self._budget = Budget.open(name, config.settings().global_budget_bytes)
         # Cached handles hold device memory the budget no longer counts: no cache under a budget.
         self._group.page_table.backend.set_handle_cache_capacity(0)
-        self._pages.set_budget_gate(self._budget.try_acquire, self._budget.release)
+        if self.world_size == 1:
+            self._pages.set_budget_gate(self._budget.try_acquire, self._budget.release)
+            return
+        budget, ranks = self._budget, self.world_size        # the gate counts this rank's bytes
+        self._pages.set_budget_gate(lambda nbytes: budget.try_acquire(nbytes * ranks),
+                                    lambda nbytes: budget.release(nbytes * ranks))
 
     def _bind_hot_path(self) -> None:
         """See Note [Hot path binding]."""
@@ -419,8 +453,10 @@ class KVCacheManager:
 
     def _release_cached_handles(self) -> None:
         """Give the physical handles the backend keeps for reuse back to the device, so that a
-        lowered limit frees memory for other instances (See Note [Limits])."""
+        lowered limit frees memory for other instances (See Note [Limits]); on every rank."""
         self._group.page_table.backend.release_cached()
+        if self._group.peers is not None:
+            self._group.peers.release_cached()
 
     def _limit_met(self) -> bool:
         """Whether the memory really mapped (pages whose unmap waits on a fence included) is
@@ -489,9 +525,12 @@ class KVCacheManager:
         return self._closed_reason is not None
 
     def check_invariants(self) -> None:
-        """Check every invariant of the allocators (O(blocks + pages))."""
+        """Check every invariant of the allocators (O(blocks + pages)); under tensor parallelism
+        also that every rank maps the same page ids (one message round)."""
         self._check_open()
         self._blocks.check_invariants()
+        if self._group.peers is not None:
+            self._group.peers.check_peers(self._group.page_table)
 
     # -- background publishing and shutdown ---------------------------------------------------
     def _publish_loop(self) -> None:
@@ -645,3 +684,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # Revisions order limit changes from several operators: a revision below the current one is
 # "stale", the same revision with another limit a "conflict"; neither changes anything. A higher
 # limit lets the pool grow back to its minimum; a limit of 0 drains an idle manager completely.
+#
+# Note [Tensor-parallel manager]
+# Under tensor parallelism (init_kvcached with world_size > 1) the manager lives on the scheduling
+# rank only; its page table mirrors every map and unmap to the other ranks (kvcached.tp), so the
+# allocator, the reserved pool and the limits work unchanged, and the pool's fast path sends no
+# message. The instance is one: page_bytes is the memory a page id takes on all ranks (this
+# rank's page bytes x world_size), so limits, resize sizes, get_mapped_memory_size, the tracker
+# (kvctl, kvtop) and the global budget all count every rank's memory; the budget gate, which the
+# allocator calls with this rank's bytes, is scaled likewise.

@@ -2,7 +2,8 @@
 
 ``init_kvcached`` picks the backend, ``alloc_kv_cache`` reserves a group's ranges and returns its
 torch tensors, ``get_kv_cache_manager`` hands out the group's manager, ``shutdown_kvcached``
-unmaps and releases everything (init may be called again afterwards).
+unmaps and releases everything (init may be called again afterwards). With world_size > 1 the
+instance spans the ranks of a tensor-parallel group (kvcached.tp): See Note [Tensor-parallel runtime].
 
 The runtime is the one registry of groups and managers: a manager gets what it needs of it
 through ``REGISTRY`` at construction (Note [One registry] in kv_cache_manager).
@@ -32,6 +33,7 @@ from .mem_info_tracker import classify_limit_request, split_limit
 
 if TYPE_CHECKING:
     from ._core import Backend, PageTable
+    from .tp import Follower, Leader, TableMirror
 
 logger = logging.getLogger("kvcached")
 
@@ -52,6 +54,7 @@ class KVGroup:
     page_table: PageTable
     tensors: list | None = field(default=None, repr=False)   # repr would read unmapped rows: segfault
     managers: list[KVCacheManager] = field(default_factory=list)
+    peers: TableMirror | None = None      # tensor parallelism, scheduling rank: the table's mirror
 
 
 @dataclass
@@ -62,6 +65,8 @@ class _Runtime:
     tp_rank: int
     pp_rank: int
     is_worker: bool
+    world_size: int = 1
+    tp: Leader | Follower | None = None     # world_size > 1: rank 0 leads, the others follow
     groups: dict = field(default_factory=dict)
     pid: int = field(default_factory=os.getpid)     # the process that made it; Note [Runtime life cycle]
     forked: bool = False
@@ -128,25 +133,33 @@ def _make_backend(device: str, page_bytes: int, host_capacity_bytes: int | None)
 
 def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_worker: bool = False,
                   device=None, async_sched: bool = False, *, page_size_bytes: int | None = None,
-                  host_capacity_bytes: int | None = None) -> None:
+                  host_capacity_bytes: int | None = None, tp_group=None) -> None:
     """Set up kvcached for this process.
 
     device: "cuda:N", "cuda" or "cpu"; None = the current CUDA device if CUDA is usable, else the
     host backend. page_size_bytes overrides KVCACHED_PAGE_SIZE_MB (tests use small pages), up to
     MAX_PAGE_BYTES; host_capacity_bytes caps the host backend's physical memory (default: the
     machine's RAM). async_sched=True is refused: allocation is synchronous.
-    Calling it again with the same device is a no-op; with another, an error (shut down first).
+    Calling it again with the same arguments is a no-op; with another device, page size or
+    world, an error (shut down first).
 
-    Raises KVCachedConfigError for a bad setting or argument; DriverUnavailableError if CUDA was
-    asked for and cannot be used; KVCachedClosedError in a forked child that inherited an
-    initialised kvcached (shut it down in the child first).
+    world_size > 1 (tensor parallelism): every rank calls it, after
+    torch.distributed.init_process_group, with its tp_rank; kvcached makes a gloo group of all
+    ranks for its control messages (a collective call), or uses `tp_group` (a gloo group whose
+    group ranks are the TP ranks). Rank 0 schedules: only it makes a KVCacheManager; the others
+    map what it allocates. See Note [Tensor-parallel runtime].
+
+    Raises KVCachedConfigError for a bad setting or argument, or a torch.distributed state that
+    does not match; DriverUnavailableError if CUDA was asked for and cannot be used;
+    KVCachedClosedError in a forked child that inherited an initialised kvcached (shut it down in
+    the child first); KVCachedTPError if a peer rank does not answer.
     """
     global _runtime
-    if as_int(world_size, "world_size", minimum=1) != 1:
-        raise KVCachedConfigError(
-            f"world_size={world_size}: this release runs one kvcached instance per process and maps pages "
-            f"in the process that allocates them; start one instance per rank with world_size=1.")
+    world_size = as_int(world_size, "world_size", minimum=1, hint="the tensor-parallel size")
     tp_rank = as_int(tp_rank, "tp_rank", minimum=0)
+    if world_size > 1 and tp_rank >= world_size:
+        raise KVCachedConfigError(f"tp_rank={tp_rank} is outside [0, {world_size}) for world_size={world_size}; "
+                                  f"pass this process's rank in the tensor-parallel group")
     pp_rank = as_int(pp_rank, "pp_rank", minimum=0)
     refuse_async_sched(async_sched)
     if page_size_bytes is not None:
@@ -168,6 +181,10 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
                 raise KVCachedConfigError(
                     f"kvcached is already initialised on {_runtime.device} with pages of {_runtime.page_bytes} "
                     f"bytes; call shutdown_kvcached() before init_kvcached(device={device!r}).")
+            if world_size > 1 and (_runtime.world_size, _runtime.tp_rank) != (world_size, tp_rank):
+                raise KVCachedConfigError(
+                    f"kvcached is already initialised as rank {_runtime.tp_rank} of {_runtime.world_size}; call "
+                    f"shutdown_kvcached() before init_kvcached(tp_rank={tp_rank}, world_size={world_size}).")
             return
         backend = _make_backend(wanted, page_bytes, host_capacity_bytes)
         if page_bytes <= 0 or page_bytes % backend.granularity:
@@ -175,8 +192,27 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
                 f"page size {page_bytes} bytes is not a positive multiple of the {backend.kind} granularity "
                 f"({backend.granularity} bytes); set KVCACHED_PAGE_SIZE_MB to a multiple of "
                 f"{max(1, backend.granularity >> 20)}.")
-        _runtime = _Runtime(backend, wanted, page_bytes, tp_rank, pp_rank, bool(is_worker))
-        logger.info("kvcached initialised on %s (%s backend, pages of %d bytes)", wanted, backend.kind, page_bytes)
+        tp = _start_tp(tp_rank, world_size, tp_group, backend, page_bytes, settings.tp_timeout_s) \
+            if world_size > 1 else None
+        _runtime = _Runtime(backend, wanted, page_bytes, tp_rank, pp_rank, bool(is_worker), world_size, tp)
+        if tp is not None:
+            stop_at_exit()          # rank 0 stops its peers at exit; See Note [Tensor-parallel runtime]
+        logger.info("kvcached initialised on %s (%s backend, pages of %d bytes, rank %d of %d)", wanted,
+                    backend.kind, page_bytes, tp_rank, world_size)
+
+
+def _start_tp(tp_rank: int, world_size: int, tp_group, backend: Backend, page_bytes: int, timeout_s: float):
+    """Rank 0: a Leader that has checked every peer's page size; other ranks: a running Follower."""
+    from .tp import Follower, Leader, open_channel
+
+    channel = open_channel(tp_rank, world_size, tp_group, timeout_s)
+    if tp_rank == 0:
+        leader = Leader(channel)
+        leader.hello(page_bytes)
+        return leader
+    follower = Follower(channel, backend, page_bytes)
+    follower.start()
+    return follower
 
 
 def runtime() -> _Runtime:
@@ -245,10 +281,31 @@ def _create_group(rt: _Runtime, group_id: int, num_layers: int, num_kv_buffers: 
     if settings.global_budget is None and rt.backend.cache_capacity < page_table.num_segments:
         rt.backend.set_handle_cache_capacity(min(page_table.num_segments, MAX_HANDLE_CACHE))
     group = KVGroup(group_id, layout, reason, ranges, page_table)
+    if rt.tp is not None:
+        try:
+            _join_peers(rt, group)
+        except BaseException:
+            page_table.close()
+            raise
     rt.groups[group_id] = group
     logger.info("group %d: %s layout (%s), %d pages of %d bytes", group_id, name, reason, layout.num_pages,
                 page_table.page_bytes)
     return group
+
+
+def _join_peers(rt: _Runtime, group: KVGroup) -> None:
+    """Rank 0: wait until every peer has this group's table with the same geometry, then mirror
+    the table to them. Other ranks: serve the table to rank 0."""
+    from .tp import Leader
+
+    table = group.page_table
+    geometry = (config.LAYOUTS.index(group.layout.name), table.num_pages, table.num_segments, table.map_bytes)
+    if isinstance(rt.tp, Leader):
+        rt.tp.register(group.group_id, geometry)
+        group.peers = rt.tp.table_mirror(group.group_id)
+        table.set_mirror(group.peers)
+    elif rt.tp is not None:
+        rt.tp.add_table(group.group_id, table, geometry)
 
 
 def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: int, attention_type: str = "MHA",
@@ -264,6 +321,10 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
     read or written: an unallocated row has no memory behind it, so printing a tensor, summing it
     or saving it faults (a segfault on the host backend, an illegal address on CUDA), unless
     KVCACHED_ZERO_PAGE=1 backs every unallocated row with read-only zeros.
+
+    Under tensor parallelism every rank calls it with its own shard's shape (the same number of
+    blocks and bytes per block on every rank) and device; rank 0's call waits, up to
+    KVCACHED_TP_TIMEOUT_S, for the others' (KVCachedConfigError if a rank's geometry differs).
 
     Raises KVCachedConfigError for a shape, dtype, device or group that does not fit.
     """
@@ -415,16 +476,45 @@ def shutdown_kvcached() -> None:
             config.reload_settings()
             return
         steps = Steps()
+        if rt.tp is not None and rt.tp_rank:    # a peer: rank 0 unmaps through it first
+            steps.run(_stop_following, rt)
         for group in rt.groups.values():
             for manager in list(group.managers):
                 steps.run(manager._close,
                           f"the KVCacheManager of group {group.group_id} was closed by shutdown_kvcached(): call "
                           f"init_kvcached() and alloc_kv_cache() again, then make a new manager.")
             steps.run(group.page_table.close)
+        if rt.tp is not None and not rt.tp_rank:
+            steps.run(rt.tp.stop)
         steps.run(rt.backend.release_cached)
         rt.groups.clear()
         config.reload_settings()
         steps.raise_first()
+
+
+def _stop_following(rt: _Runtime) -> None:
+    """A peer's shutdown: wait (KVCACHED_TP_TIMEOUT_S) for rank 0 to stop it, then refuse its
+    later requests. See Note [Tensor-parallel runtime]."""
+    follower = rt.tp
+    assert follower is not None and rt.tp_rank
+    if not follower.wait_stopped(follower.channel.timeout_s):
+        logger.warning("rank %d: rank 0 did not shut kvcached down within KVCACHED_TP_TIMEOUT_S; this rank's pages "
+                       "are unmapped now and rank 0's later requests are refused", rt.tp_rank)
+    follower.close()
+
+
+def wait_for_scheduler(timeout_s: float | None = None) -> bool:
+    """On a rank > 0 of a tensor-parallel instance: block until rank 0 has shut kvcached down
+    (or was lost), for at most `timeout_s` seconds (None: no bound). Returns whether it has.
+    Meanwhile this rank's service thread keeps mapping what rank 0 allocates. Raises
+    KVCachedConfigError on rank 0 or without tensor parallelism."""
+    with _lock:
+        rt = runtime()
+        if rt.tp is None or not rt.tp_rank:
+            raise KVCachedConfigError(f"wait_for_scheduler() is for ranks > 0 of a tensor-parallel instance; this is "
+                                      f"rank {rt.tp_rank} of {rt.world_size}")
+        follower = rt.tp
+    return follower.wait_stopped(timeout_s)  # type: ignore[union-attr]
 
 
 def stop_at_exit() -> None:
@@ -441,6 +531,15 @@ class _Registry:
     @property
     def lock(self) -> threading.RLock:
         return _lock        # read at each use: the fork handler replaces it
+
+    @property
+    def world_size(self) -> int:
+        return runtime().world_size
+
+    @property
+    def tp_rank(self) -> int:
+        rt = runtime()
+        return rt.tp_rank if rt.world_size > 1 else 0
 
     def group(self, group_id: int, num_layers: int, num_kv_buffers: int, block_bytes: int,
               num_blocks: int) -> KVGroup:
@@ -493,3 +592,19 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # call, and shutdown_kvcached() in the child, or at its exit, only forgets it. The Cython core
 # refuses to touch anything from an object made before the fork, its deallocators included
 # (Note [Fork and close] in _core), so the child's exit leaves the parent's cache untouched.
+#
+# Note [Tensor-parallel runtime]
+# With world_size > 1 every rank of the TP group runs init_kvcached and alloc_kv_cache with its
+# own device and shard shape; rank 0 alone makes managers and allocates (the scheduling rank),
+# and its page tables carry a mirror (kvcached.tp.TableMirror) so that every map and unmap is
+# repeated on the other ranks, all or nothing. The control messages go over a gloo group made in
+# init_kvcached (dist.new_group: collective, so every rank calls init at the same point) beside
+# the model's own group. init checks that every rank uses the same page size; rank 0's
+# alloc_kv_cache waits for every rank's table of the group (same layout, page count and mapping
+# sizes) before mirroring it. shutdown_kvcached on rank 0 closes its managers (their unmaps go to
+# the peers), then tells every peer to unmap the rest and stop; on a peer it first waits for that
+# (at most KVCACHED_TP_TIMEOUT_S; wait_for_scheduler() waits without bound), then refuses later
+# requests and closes its tables. Each rank shuts down at exit too, so a normal exit of every rank
+# needs no call. A peer that dies makes rank 0's next call that needs it raise KVCachedTPError,
+# and every one after (the ranks no longer agree on what is mapped): restart every rank.
+# A forked child inherits none of it: the runtime is marked forked and its shutdown only forgets.

@@ -45,6 +45,8 @@ CASES = {
                             ("critical", "CRITICAL")],
                            ["", "verbose", "WARN", "10"]),
     "KVCACHED_DEBUG_CHECKS": ([("1", True), ("off", False)], ["2", "debug"]),
+    "KVCACHED_TP_TIMEOUT_S": ([("60", 60.0), ("0.1", 0.1), (" 5 ", 5.0), ("86400", 86400.0), ("1e1", 10.0)],
+                              ["0", "0.05", "-1", "86401", "nan", "inf", "10s", ""]),
 }
 
 FIELDS = dict(zip((s.name for s in config.SETTINGS), config.Settings.__dataclass_fields__))
@@ -146,6 +148,18 @@ def test_idle_trim_random(value):
         assert config._read(environ).idle_trim_s == value
     else:
         with pytest.raises(KVCachedConfigError, match="KVCACHED_IDLE_TRIM_S"):
+            config._read(environ)
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.floats(allow_nan=True, allow_infinity=True))
+def test_tp_timeout_random(value):
+    """A peer must get a positive, bounded time to answer: 0 would fail every call at once."""
+    environ = {"KVCACHED_TP_TIMEOUT_S": repr(value)}
+    if math.isfinite(value) and 0.1 <= value <= 86400:
+        assert config._read(environ).tp_timeout_s == value
+    else:
+        with pytest.raises(KVCachedConfigError, match="KVCACHED_TP_TIMEOUT_S"):
             config._read(environ)
 
 

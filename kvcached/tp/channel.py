@@ -1,0 +1,168 @@
+"""The control channel of a tensor-parallel instance: message format and gloo transport.
+
+The scheduling rank (group rank 0) sends requests; every other rank answers each one with one
+reply. Messages are int64 tensors sent point to point (``isend``/``irecv``) over a gloo group,
+so they travel beside the model's NCCL group; every wait on the scheduling rank is bounded by a
+deadline. See Note [TP messages] and Note [Gloo timeouts].
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import KVCachedTPError
+
+# Operations (request slot 0).
+HELLO, REGISTER, MAP, UNMAP, QUERY, RELEASE_CACHED, STOP = 1, 2, 3, 4, 5, 6, 7
+OP_NAMES = {HELLO: "hello", REGISTER: "register", MAP: "map", UNMAP: "unmap", QUERY: "query",
+            RELEASE_CACHED: "release cached handles", STOP: "stop"}
+# Reply statuses (reply slot 1).
+OK, OOM, ERROR, STOPPED = 0, 1, 2, 3
+
+HEADER_SLOTS = 8                # op, seq, table_id, num_ids, arg0..arg3
+INLINE_IDS = 56                 # page ids carried in the request itself
+REQUEST_SLOTS = HEADER_SLOTS + INLINE_IDS
+REPLY_SLOTS = 8                 # seq, status, count, arg0..arg4
+NUM_ARGS = 4
+# The group's own timeout bounds a follower's wait for the next request, which may come after
+# any idle time: so it is long, and the scheduling rank bounds its waits itself (Note [Gloo timeouts]).
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass
+class Request:
+    op: int
+    seq: int
+    table_id: int
+    page_ids: list[int]
+    args: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return OP_NAMES.get(self.op, f"op {self.op}")
+
+
+@dataclass
+class Reply:
+    seq: int
+    status: int
+    count: int
+    args: tuple[int, ...]
+    payload: Any = None             # QUERY: the page ids; ERROR: the peer's message
+
+
+def _torch():
+    import torch
+    import torch.distributed as dist
+
+    return torch, dist
+
+
+def encode_request(op: int, seq: int, table_id: int, page_ids: list[int], args: tuple[int, ...] = ()):
+    """(header tensor, overflow tensor or None): ids past INLINE_IDS follow in a second message."""
+    torch, _ = _torch()
+    msg = torch.zeros(REQUEST_SLOTS, dtype=torch.int64)
+    head = [op, seq, table_id, len(page_ids), *args, *([0] * (NUM_ARGS - len(args)))]
+    msg[:HEADER_SLOTS] = torch.tensor(head, dtype=torch.int64)
+    inline = page_ids[:INLINE_IDS]
+    if inline:
+        msg[HEADER_SLOTS:HEADER_SLOTS + len(inline)] = torch.tensor(inline, dtype=torch.int64)
+    extra = None if len(page_ids) <= INLINE_IDS else torch.tensor(page_ids[INLINE_IDS:], dtype=torch.int64)
+    return msg, extra
+
+
+def decode_request(msg) -> Request:
+    head = msg[:HEADER_SLOTS].tolist()
+    n = head[3]
+    return Request(head[0], head[1], head[2], msg[HEADER_SLOTS:HEADER_SLOTS + min(n, INLINE_IDS)].tolist(),
+                   tuple(head[4:4 + NUM_ARGS]))
+
+
+def encode_reply(seq: int, status: int, count: int = 0, args: tuple[int, ...] = ()):
+    torch, _ = _torch()
+    return torch.tensor([seq, status, count, *args, *([0] * (REPLY_SLOTS - 3 - len(args)))], dtype=torch.int64)
+
+
+def text_tensor(text: str):
+    torch, _ = _torch()
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
+
+
+class Channel:
+    """Point-to-point messages over one gloo group, between group rank 0 and the others.
+
+    ``peer`` arguments are group ranks. The scheduling rank's waits are bounded by deadlines;
+    a failed or timed-out wait breaks the channel for good (the gloo context is unusable after a
+    timeout, and the ranks may no longer agree on what is mapped): every later call raises
+    KVCachedTPError naming the first failure. Not thread-safe: its one user on each rank (the
+    leader's lock, the follower's service thread) serialises calls."""
+
+    def __init__(self, group, timeout_s: float) -> None:
+        _, dist = _torch()
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+        self.timeout_s = timeout_s
+        self.broken: str | None = None
+
+    # -- primitives ----------------------------------------------------------------------------
+    def isend(self, peer: int, tensor):
+        _, dist = _torch()
+        return dist.isend(tensor, dst=self.global_ranks[peer], group=self.group)
+
+    def irecv(self, peer: int, tensor):
+        _, dist = _torch()
+        return dist.irecv(tensor, src=self.global_ranks[peer], group=self.group)
+
+    def check(self, peer: int | None = None, operation: str | None = None) -> None:
+        """Raise KVCachedTPError if the channel broke before."""
+        if self.broken is not None:
+            raise KVCachedTPError(
+                f"tensor-parallel control channel is broken since: {self.broken} Every rank of this instance "
+                f"must be restarted (shutdown_kvcached() on each rank that lives, then init_kvcached()).",
+                peer, operation)
+
+    def wait(self, work, deadline: float, peer: int, operation: str) -> None:
+        """Wait for `work` until the monotonic `deadline`; KVCachedTPError (channel broken) when
+        the peer's connection fails or the deadline passes."""
+        remaining = deadline - time.monotonic()
+        try:
+            if remaining <= 0:
+                raise TimeoutError("deadline passed")
+            work.wait(datetime.timedelta(seconds=remaining))
+        except Exception as exc:
+            timed_out = "Timed out" in str(exc) or isinstance(exc, TimeoutError)
+            what = (f"did not answer within KVCACHED_TP_TIMEOUT_S={self.timeout_s:g} s" if timed_out
+                    else f"is unreachable ({str(exc).splitlines()[0][:200]})")
+            self.broken = (f"tensor-parallel rank {peer} {what} during {operation}; it died or hangs.")
+            raise KVCachedTPError(
+                f"{self.broken} kvcached cannot keep the ranks' KV memory in step: restart every rank of this "
+                f"instance (raise KVCACHED_TP_TIMEOUT_S if rank {peer} is only slow).", peer, operation) from exc
+
+    def deadline(self) -> float:
+        return time.monotonic() + self.timeout_s
+
+
+# Note [TP messages]
+# A request is one int64 tensor of REQUEST_SLOTS: op, sequence number, table id (the KV group's
+# group_id: an instance may hold several page tables), the number of page ids, four op arguments,
+# then up to INLINE_IDS page ids; a longer id list follows as a second tensor of exactly the
+# remaining ids (the follower knows its length from the header). A reply is REPLY_SLOTS int64s:
+# the request's sequence number, a status (OK, OOM, ERROR, STOPPED), a count and arguments; a
+# QUERY reply is followed by `count` page ids, an ERROR reply by `count` bytes of UTF-8 text (the
+# peer's own error message, so the scheduling rank raises with it). Fixed-size tensors because a
+# gloo receive needs its buffer up front; one tensor per message in the common case because each
+# message is a round of the transport (a refill round of up to max_reserved pages fits inline).
+#
+# Note [Gloo timeouts]
+# Gloo applies the group's timeout to every wait without an explicit one, and a wait that times
+# out signals the error to every pending operation of the rank's transport context: the group is
+# unusable afterwards. Followers wait for the next request with no explicit timeout, for as long
+# as the instance is idle, so kvcached's own group is made with IDLE_TIMEOUT (a year); the
+# scheduling rank passes an explicit deadline (KVCACHED_TP_TIMEOUT_S) to each of its waits, and
+# a peer that is SIGKILLed closes its sockets, which fails those waits at once. Either failure
+# breaks the channel for good: the peers' mapped state is then unknown.

@@ -1,0 +1,214 @@
+"""The service of a tensor-parallel rank > 0: applies the scheduling rank's maps and unmaps to
+this rank's page tables and answers each request.
+
+One daemon thread receives requests (kvcached.tp.channel) and handles them one at a time. Lock
+rule: ``_cond`` guards the tables and the closed flag and is held while a request is handled, so
+a local shutdown never tears a table down under a map. See Note [Follower life cycle].
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from ..errors import DriverError
+from .channel import (ERROR, HELLO, INLINE_IDS, MAP, OK, OOM, QUERY, REGISTER, RELEASE_CACHED, REQUEST_SLOTS, STOP,
+                      STOPPED, UNMAP, Channel, Request, decode_request, encode_reply, text_tensor)
+
+logger = logging.getLogger("kvcached")
+
+
+class Follower:
+    """Serves one instance's page operations on this rank's backend.
+
+    Page ids that this rank failed to unmap (its table marks them 2) are kept per table and
+    unmapped again before each later map of that table; a map that asks for one still stuck is
+    out of memory on this rank (the scheduling rank rolls every rank back)."""
+
+    def __init__(self, channel: Channel, backend, page_bytes: int) -> None:
+        self.channel = channel
+        self.backend = backend
+        self.page_bytes = page_bytes
+        self.num_requests = 0
+        self.error: BaseException | None = None         # why serving ended, if not by STOP
+        self.stopped = threading.Event()                # the service thread has ended
+        self._cond = threading.Condition()
+        self._tables: dict[int, tuple[object, tuple[int, ...]]] = {}
+        self._stuck: dict[int, set[int]] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name=f"kvcached-tp-rank{channel.rank}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add_table(self, table_id: int, table, geometry: tuple[int, ...]) -> None:
+        """Serve `table` under `table_id` (alloc_kv_cache on this rank); wakes a REGISTER that waits."""
+        with self._cond:
+            self._tables[table_id] = (table, geometry)
+            self._stuck[table_id] = set()
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Stop applying requests (later ones are answered STOPPED); the caller then closes the
+        tables. Does not wait for the thread: See Note [Follower life cycle]."""
+        with self._cond:
+            self._closed = True
+            self._tables.clear()
+            self._cond.notify_all()
+
+    def wait_stopped(self, timeout_s: float | None = None) -> bool:
+        """Whether serving ended (STOP from the scheduling rank, or its loss) within `timeout_s`."""
+        return self.stopped.wait(timeout_s)
+
+    # -- the service thread ------------------------------------------------------------------
+    def _serve(self) -> None:
+        import torch
+
+        try:
+            while True:
+                msg = torch.empty(REQUEST_SLOTS, dtype=torch.int64)
+                self.channel.irecv(0, msg).wait()
+                req = decode_request(msg)
+                num_ids = int(msg[3])
+                if num_ids > INLINE_IDS:
+                    extra = torch.empty(num_ids - INLINE_IDS, dtype=torch.int64)
+                    self.channel.irecv(0, extra).wait()
+                    req.page_ids += extra.tolist()
+                self.num_requests += 1
+                status, count, args, payload = self._handle(req)
+                works = [self.channel.isend(0, encode_reply(req.seq, status, count, args))]
+                if payload is not None:
+                    works.append(self.channel.isend(0, payload))
+                for work in works:
+                    work.wait()
+                if req.op == STOP:
+                    return
+        except Exception as exc:                 # the scheduling rank is gone: nothing to answer
+            self.error = exc
+            with self._cond:
+                if not self._closed:
+                    logger.error("tensor-parallel rank %d: lost the scheduling rank (%s); its pages stay mapped "
+                                 "until shutdown_kvcached() here", self.channel.rank, str(exc).splitlines()[0][:200])
+        finally:
+            self.stopped.set()
+
+    def _handle(self, req: Request):
+        """(status, count, reply args, payload tensor or None) for one request."""
+        with self._cond:
+            if req.op == STOP:
+                self._unmap_everything()
+                self._closed = True
+                return OK, 0, (), None
+            if self._closed:
+                return STOPPED, 0, (), None
+            try:
+                if req.op == HELLO:
+                    return self._hello(*req.args[:2])
+                if req.op == RELEASE_CACHED:
+                    self.backend.release_cached()
+                    return OK, 0, (), None
+                if req.op == REGISTER:
+                    return self._register(req.table_id, req.args)
+                entry = self._tables.get(req.table_id)
+                if entry is None:
+                    return self._error(f"has no KV group {req.table_id}: call alloc_kv_cache(..., group_id="
+                                       f"{req.table_id}) on every rank")
+                table = entry[0]
+                if req.op == MAP:
+                    return self._map(req.table_id, table, req.page_ids)
+                if req.op == UNMAP:
+                    return OK, self._unmap(req.table_id, table, req.page_ids), (), None
+                if req.op == QUERY:
+                    import torch
+
+                    ids = table.mapped_page_ids()
+                    return OK, len(ids), (), torch.tensor(ids, dtype=torch.int64) if ids else None
+                return self._error(f"does not know operation {req.op}")
+            except Exception as exc:
+                logger.exception("tensor-parallel rank %d: %s failed", self.channel.rank, req.name)
+                return self._error(f"{req.name} failed: {type(exc).__name__}: {exc}")
+
+    def _error(self, text: str):
+        payload = text_tensor(f"rank {self.channel.rank} {text}"[:4000])
+        return ERROR, payload.numel(), (), payload
+
+    def _hello(self, page_bytes: int, world_size: int):
+        if (page_bytes, world_size) != (self.page_bytes, self.channel.world_size):
+            return self._error(f"has pages of {self.page_bytes} bytes in a world of {self.channel.world_size}, the "
+                               f"scheduling rank {page_bytes} bytes in {world_size}: pass the same page_size_bytes "
+                               f"(KVCACHED_PAGE_SIZE_MB) and world_size to init_kvcached on every rank")
+        return OK, 0, (), None
+
+    def _register(self, table_id: int, geometry: tuple[int, ...]):
+        """Wait (KVCACHED_TP_TIMEOUT_S, the lock released meanwhile) for this rank's
+        alloc_kv_cache of `table_id`, then compare geometries."""
+        if not self._cond.wait_for(lambda: self._closed or table_id in self._tables, self.channel.timeout_s):
+            return self._error(f"did not call alloc_kv_cache(..., group_id={table_id}) within KVCACHED_TP_TIMEOUT_S="
+                               f"{self.channel.timeout_s:g} s: call it on every rank, with the same shape")
+        if self._closed:
+            return STOPPED, 0, (), None
+        mine = self._tables[table_id][1]
+        if tuple(mine) != tuple(geometry[:len(mine)]):
+            return self._error(f"holds KV group {table_id} as (layout, num_pages, segments per page, bytes per "
+                               f"segment) = {tuple(mine)}, the scheduling rank as {tuple(geometry[:len(mine)])}: pass "
+                               f"the same shape, block size, dtype and KVCACHED_LAYOUT on every rank")
+        return OK, 0, (), None
+
+    def _map(self, table_id: int, table, page_ids: list[int]):
+        stuck = self._retry_stuck(table_id, table)
+        if stuck.intersection(page_ids):
+            return OOM, 0, (), None                 # still mapped here after a failed unmap
+        try:
+            ok = table.map(page_ids)
+        except Exception:
+            # what the table's undo left mapped (marked 2) is unmapped again later
+            stuck.update(p for p in page_ids if table.is_mapped(p))
+            raise
+        return (OK if ok else OOM), 0, (), None
+
+    def _unmap(self, table_id: int, table, page_ids: list[int]) -> int:
+        """Unmap what this rank has of `page_ids`; returns how many stay stuck (mapped)."""
+        ids = [p for p in page_ids if table.is_mapped(p)]
+        stuck = self._stuck[table_id]
+        if ids:
+            try:
+                table.unmap(ids)
+            except DriverError:
+                stuck.update(p for p in ids if table.is_mapped(p))
+                logger.warning("tensor-parallel rank %d: %d page id(s) of group %d could not be unmapped; retried "
+                               "before the next map", self.channel.rank, len(stuck), table_id)
+        return len(stuck.intersection(page_ids))
+
+    def _retry_stuck(self, table_id: int, table) -> set[int]:
+        stuck = self._stuck[table_id]
+        if stuck:
+            ids = sorted(p for p in stuck if table.is_mapped(p))
+            try:
+                if ids:
+                    table.unmap(ids)
+            except DriverError:
+                pass
+            stuck.intersection_update(p for p in ids if table.is_mapped(p))
+        return stuck
+
+    def _unmap_everything(self) -> None:
+        """STOP: every page of every table goes (close() of the tables follows at shutdown)."""
+        for table_id, (table, _) in self._tables.items():
+            ids = table.mapped_page_ids()
+            if ids:
+                try:
+                    table.unmap(ids)
+                except DriverError:
+                    logger.warning("tensor-parallel rank %d: group %d: %d page id(s) stay mapped until "
+                                   "shutdown_kvcached() here", self.channel.rank, table_id, table.num_mapped)
+
+
+# Note [Follower life cycle]
+# A rank > 0 starts its service in init_kvcached and registers each page table as alloc_kv_cache
+# makes it. Serving ends when the scheduling rank sends STOP (its shutdown_kvcached: every page is
+# unmapped first) or when its connection fails (it died). shutdown_kvcached on this rank closes
+# the service first (under the lock, so a request being applied finishes), then closes the tables;
+# a request that comes later is answered STOPPED (an unmap or stop is then fine for the scheduling
+# rank, a map is an error). The thread is not joined: it may be blocked in a gloo receive, which
+# only a message or the connection's loss ends (gloo cannot abort a pending receive), and it is a
+# daemon, so it never holds up the process's exit; wait_stopped() waits for it where wanted.

@@ -1,0 +1,264 @@
+"""The scheduling rank's side of tensor parallelism: one Leader per instance, one TableMirror
+per page table (the ``PageMirror`` a table's ``set_mirror`` takes).
+
+The leader sends each request to every peer before the local table acts, then collects the
+replies, so the ranks map in parallel (See Note [Leader rounds]). Lock rule: ``Leader.lock``
+serialises rounds; a TableMirror holds it from ``*_start`` to ``*_finish`` (the page table calls
+both on one thread, with no lock of its own taken); every other public method takes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ..errors import KVCachedConfigError, KVCachedTPError
+from .channel import (ERROR, HELLO, MAP, OK, OOM, OP_NAMES, QUERY, REGISTER, RELEASE_CACHED, REPLY_SLOTS, STOP,
+                      STOPPED, UNMAP, Channel, Reply, encode_request)
+
+logger = logging.getLogger("kvcached")
+
+
+@dataclass
+class _Round:
+    """One request in flight to some peers: what was sent, and where each reply lands."""
+
+    op: int
+    seq: int
+    table_id: int
+    page_ids: list[int]
+    deadline: float
+    posted: dict = field(default_factory=dict)      # peer -> (send works, reply tensor, reply work)
+
+
+class Leader:
+    """Sends page operations to the peer ranks of one instance and collects their replies.
+
+    ``num_rounds`` counts requests sent (each to every peer it concerns), ``rounds_by_thread``
+    the same per sending thread: tests and benchmarks read them to show that the pool's fast
+    path sends nothing from the caller's thread."""
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+        self.lock = threading.Lock()
+        self.num_rounds = 0
+        self.rounds_by_thread: Counter[int] = Counter()
+        self.stopped = False
+        self._seq = 0
+
+    @property
+    def peers(self) -> range:
+        return range(1, self.channel.world_size)
+
+    # -- rounds (assume the lock) --------------------------------------------------------------
+    def _post(self, op: int, table_id: int, page_ids: list[int], args: tuple[int, ...] = (),
+              peers=None) -> _Round:
+        """Post each peer's reply buffer, then send it the request. Raises KVCachedTPError
+        (channel broken) if a peer cannot be reached."""
+        import torch
+
+        name = OP_NAMES[op]
+        self.channel.check(operation=name)
+        if self.stopped:
+            raise KVCachedTPError(f"tensor-parallel {name}: the instance's peers were stopped by shutdown_kvcached(); "
+                                  f"call init_kvcached() again on every rank", operation=name)
+        self._seq += 1
+        self.num_rounds += 1
+        self.rounds_by_thread[threading.get_ident()] += 1
+        rnd = _Round(op, self._seq, table_id, page_ids, self.channel.deadline())
+        msg, extra = encode_request(op, self._seq, table_id, page_ids, args)
+        for peer in self.peers if peers is None else peers:
+            try:
+                reply = torch.empty(REPLY_SLOTS, dtype=torch.int64)
+                reply_work = self.channel.irecv(peer, reply)
+                sends = [self.channel.isend(peer, msg)]
+                if extra is not None:
+                    sends.append(self.channel.isend(peer, extra))
+            except Exception as exc:
+                self._fail(peer, name, exc)
+            rnd.posted[peer] = (sends, reply, reply_work)
+        return rnd
+
+    def _fail(self, peer: int, name: str, exc: Exception) -> None:
+        self.channel.broken = f"tensor-parallel rank {peer} is unreachable during {name} ({str(exc).splitlines()[0][:200]})."
+        raise KVCachedTPError(f"{self.channel.broken} It died or its process group is gone: restart every rank of "
+                              f"this instance.", peer, name) from exc
+
+    def _collect(self, rnd: _Round) -> dict[int, Reply]:
+        """Every posted peer's reply (and what follows it), within the round's deadline."""
+        import torch
+
+        name = OP_NAMES[rnd.op]
+        replies = {}
+        for peer, (sends, reply, reply_work) in rnd.posted.items():
+            for work in sends:
+                self.channel.wait(work, rnd.deadline, peer, name)
+            self.channel.wait(reply_work, rnd.deadline, peer, name)
+            seq, status, count, *args = reply.tolist()
+            if seq != rnd.seq:
+                self.channel.broken = f"tensor-parallel rank {peer} answered request {seq} to request {rnd.seq}."
+                raise KVCachedTPError(f"{self.channel.broken} The control channel is out of step: restart every rank.",
+                                      peer, name)
+            payload = None
+            if count and (status == ERROR or (status == OK and rnd.op == QUERY)):
+                buf = torch.empty(count, dtype=torch.uint8 if status == ERROR else torch.int64)
+                self.channel.wait(self.channel.irecv(peer, buf), rnd.deadline, peer, name)
+                payload = bytes(buf.numpy()).decode(errors="replace") if status == ERROR else buf.tolist()
+            replies[peer] = Reply(seq, status, count, tuple(args), payload)
+        return replies
+
+    def call(self, op: int, table_id: int = 0, page_ids: list[int] | None = None,
+             args: tuple[int, ...] = ()) -> dict[int, Reply]:
+        """One request to every peer and their replies. Raises KVCachedTPError if a peer is
+        unreachable or late. Takes the lock."""
+        with self.lock:
+            return self._collect(self._post(op, table_id, page_ids or [], args))
+
+    @staticmethod
+    def _refusal(replies: dict[int, Reply], name: str) -> str:
+        """The peers' error messages, one line each ("" when every peer answered OK)."""
+        lines = []
+        for peer, reply in replies.items():
+            if reply.status == ERROR:
+                lines.append(f"rank {peer}: {reply.payload}")
+            elif reply.status == STOPPED:
+                lines.append(f"rank {peer} has shut kvcached down (shutdown_kvcached() ran there), so it cannot "
+                             f"{name}")
+        return "; ".join(lines)
+
+    # -- instance-wide requests ----------------------------------------------------------------
+    def hello(self, page_bytes: int) -> None:
+        """Check that every peer serves this instance with the same page size. Raises
+        KVCachedConfigError naming the peer that differs."""
+        refusal = self._refusal(self.call(HELLO, 0, [], (page_bytes, self.channel.world_size)), "start")
+        if refusal:
+            raise KVCachedConfigError(f"tensor-parallel ranks disagree: {refusal}")
+
+    def register(self, table_id: int, geometry: tuple[int, ...]) -> None:
+        """Wait (up to KVCACHED_TP_TIMEOUT_S) until every peer has the page table of `table_id`
+        with the same geometry. Raises KVCachedConfigError naming the peer that differs or
+        lacks it, KVCachedTPError for one that is gone."""
+        refusal = self._refusal(self.call(REGISTER, table_id, [], geometry), f"register KV group {table_id}")
+        if refusal:
+            raise KVCachedConfigError(f"KV group {table_id} cannot be mirrored: {refusal}")
+
+    def query(self, table_id: int) -> dict[int, list[int]]:
+        """{peer: its mapped page ids of `table_id`, ascending}."""
+        return self._mapped(self.call(QUERY, table_id), table_id)
+
+    def _mapped(self, replies: dict[int, Reply], table_id: int) -> dict[int, list[int]]:
+        refusal = self._refusal(replies, f"report KV group {table_id}")
+        if refusal:
+            raise KVCachedTPError(f"tensor-parallel query of KV group {table_id} failed: {refusal}", operation="query")
+        return {peer: list(reply.payload or []) for peer, reply in replies.items()}
+
+    def check_peers(self, table_id: int, table) -> None:
+        """Assert that every peer maps exactly the page ids `table` maps here (O(pages) per
+        rank). Under the lock, so no map or unmap is half done."""
+        with self.lock:
+            mapped = self._mapped(self._collect(self._post(QUERY, table_id, [])), table_id)
+            here = table.mapped_page_ids()
+        for peer, ids in mapped.items():
+            assert ids == here, (f"group {table_id}: rank {peer} maps {ids}, rank 0 maps {here}")
+
+    def release_cached(self) -> None:
+        """Every peer gives its backend's cached physical handles back (a lowered limit)."""
+        refusal = self._refusal(self.call(RELEASE_CACHED), "release cached handles")
+        if refusal:
+            logger.warning("tensor-parallel release of cached handles: %s", refusal)
+
+    def stop(self) -> None:
+        """Tell every peer to unmap all its pages and stop serving (shutdown_kvcached). Raises
+        KVCachedTPError if a peer is gone; the leader is stopped either way."""
+        try:
+            if self.channel.broken is None:
+                self.call(STOP)
+        finally:
+            self.stopped = True
+
+    def table_mirror(self, table_id: int) -> TableMirror:
+        return TableMirror(self, table_id)
+
+
+class TableMirror:
+    """The PageMirror of one page table on the scheduling rank (Note [Mirrored page table] in
+    _page_table.pxi): maps and unmaps its page ids on every peer, all or nothing."""
+
+    def __init__(self, leader: Leader, table_id: int) -> None:
+        self.leader = leader
+        self.table_id = table_id
+        self._round: _Round | None = None
+
+    def _start(self, op: int, page_ids: list[int]) -> None:
+        self.leader.lock.acquire()
+        try:
+            self._round = self.leader._post(op, self.table_id, list(page_ids))
+        except BaseException:
+            self.leader.lock.release()
+            raise
+
+    def map_start(self, page_ids: list[int]) -> None:
+        self._start(MAP, page_ids)
+
+    def map_finish(self, mapped_here: bool) -> bool:
+        """True when every peer mapped; otherwise the peers that did have unmapped again. Raises
+        KVCachedTPError for a peer that is gone or refused with an error (not out of memory)."""
+        rnd, self._round = self._round, None
+        assert rnd is not None, "map_finish without map_start"
+        try:
+            replies = self.leader._collect(rnd)
+            mapped = [peer for peer, reply in replies.items() if reply.status == OK]
+            if mapped_here and len(mapped) == len(replies):
+                return True
+            if mapped:                      # See Note [Leader rounds]: the rollback round
+                self.leader._collect(self.leader._post(UNMAP, self.table_id, rnd.page_ids, peers=mapped))
+            refused = {peer: r for peer, r in replies.items() if r.status not in (OK, OOM)}
+            if refused:
+                raise KVCachedTPError(
+                    f"tensor-parallel map of page ids {rnd.page_ids[:8]}{'...' if len(rnd.page_ids) > 8 else ''} of "
+                    f"KV group {self.table_id} failed: {self.leader._refusal(refused, 'map')}. Every rank is as "
+                    f"before the map.", next(iter(refused)), "map")
+            return False
+        finally:
+            self.leader.lock.release()
+
+    def unmap_start(self, page_ids: list[int]) -> None:
+        self._start(UNMAP, page_ids)
+
+    def unmap_finish(self) -> None:
+        rnd, self._round = self._round, None
+        assert rnd is not None, "unmap_finish without unmap_start"
+        try:
+            replies = self.leader._collect(rnd)
+        finally:
+            self.leader.lock.release()
+        for peer, reply in replies.items():
+            if reply.status == ERROR:
+                raise KVCachedTPError(f"tensor-parallel unmap of KV group {self.table_id} failed on rank {peer}: "
+                                      f"{reply.payload}", peer, "unmap")
+            if reply.count and reply.status == OK:
+                logger.warning("tensor-parallel rank %d could not unmap %d page id(s) of group %d yet; it retries "
+                               "them before its next map", peer, reply.count, self.table_id)
+
+    def release_cached(self) -> None:
+        self.leader.release_cached()
+
+    def check_peers(self, table) -> None:
+        self.leader.check_peers(self.table_id, table)
+
+
+# Note [Leader rounds]
+# A map of page ids is one round: the leader posts each peer's reply buffer and sends the request
+# (map_start), the local table maps while the peers do, then map_finish collects the replies, so
+# a TP map costs the slowest rank plus one message round trip rather than the sum of the ranks.
+# All or nothing: if any rank (this one included) was out of memory, the peers that mapped get a
+# second round, UNMAP of the same ids, before map_finish returns False, and the table undoes its
+# own map; the allocator then sees out of memory and alloc returns None with every rank as
+# before. A peer that refuses with an error (no such table, a driver error) is rolled back the
+# same way and raised as KVCachedTPError. A peer that is unreachable or late breaks the channel
+# (Note [Gloo timeouts] in channel): nothing can be rolled back on it, the call raises, and so
+# does every later one. The refill thread's rounds batch a whole refill into one request, and the
+# pool's fast path (alloc from pooled pages, free into the pool) sends nothing: the pool is mapped
+# on every rank ahead of time.

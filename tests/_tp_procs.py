@@ -1,0 +1,300 @@
+"""The ranks of a tensor-parallel kvcached instance, as real processes, for tests/test_tp.py.
+
+Run as ``python tests/_tp_procs.py SCENARIO RANK WORLD WORKDIR CONFIG_JSON`` (PYTHONPATH = the
+repository root, KVCACHED_* in the environment). Every rank joins a gloo world through a file
+store in WORKDIR, initialises kvcached with tp_rank=RANK on the host backend and makes the KV
+tensors; rank 0 then runs the scenario (its assertions fail the process) and writes
+``result.json``; the other ranks serve until rank 0 shuts down. Files in WORKDIR are the events
+the test and the ranks wait on (``ready``, ``go``), with generous deadlines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached, shutdown_kvcached  # noqa: E402
+from kvcached import runtime as kv_runtime  # noqa: E402
+from kvcached.errors import KVCachedConfigError, KVCachedTPError  # noqa: E402
+
+PAGE_BYTES = 16 << 10            # one page of one buffer: 64 blocks of 256 bytes
+LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
+BLOCK_BYTES = BLOCK * HEADS * DIM * 4
+BLOCKS_PER_PAGE = PAGE_BYTES // BLOCK_BYTES
+NUM_PAGES = 16
+NUM_BLOCKS = NUM_PAGES * BLOCKS_PER_PAGE
+PAGE_ID_BYTES = PAGE_BYTES * LAYERS * 2       # one page id on one rank: every layer, K and V
+WAIT_S = 120.0
+
+
+def wait_for_file(path: str, timeout_s: float = WAIT_S) -> None:
+    """Wait for another process to create `path` (an event between processes)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+        time.sleep(0.02)
+
+
+def touch(path: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write("1")
+    os.replace(path + ".tmp", path)
+
+
+def manager(**kwargs) -> KVCacheManager:
+    return KVCacheManager(NUM_BLOCKS, BLOCK, HEADS * DIM * 4, LAYERS, **kwargs)
+
+
+def leader():
+    return kv_runtime.runtime().tp
+
+
+def table():
+    return kv_runtime.runtime().groups[0].page_table
+
+
+def mapped_everywhere() -> dict[int, list[int]]:
+    """{rank: mapped page ids of group 0}, rank 0's included."""
+    return {0: table().mapped_page_ids(), **leader().query(0)}
+
+
+def assert_same_everywhere() -> list[int]:
+    mapped = mapped_everywhere()
+    assert all(ids == mapped[0] for ids in mapped.values()), mapped
+    return mapped[0]
+
+
+def alloc_pages(m: KVCacheManager, pages: int) -> list[int] | None:
+    return m.alloc(pages * BLOCKS_PER_PAGE)
+
+
+# -- scenarios on rank 0 (each returns what goes into result.json) -------------------------------
+
+def basic(cfg: dict, workdir: str) -> dict:
+    """Alloc and free map and unmap on every rank; the pool's fast path sends nothing from the
+    caller's thread; the instance counts every rank's memory. Pool bounds 1..4 (environment)."""
+    world = dist.get_world_size()
+    m = manager(world_size=world)
+    assert m.page_bytes == PAGE_ID_BYTES * world and m.world_size == world
+    blocks = [alloc_pages(m, 1) for _ in range(3)]
+    assert all(b is not None for b in blocks)
+    m.check_invariants()
+    mapped = assert_same_everywhere()
+    assert len(mapped) >= 3
+    assert m.get_mapped_memory_size() == len(table().mapped_page_ids()) * PAGE_ID_BYTES * world
+    kv = kv_runtime.runtime().groups[0].tensors
+    kv[0][0, blocks[0][0]].fill_(1.5)                 # the memory is really there on rank 0
+    for b in blocks:
+        m.free(b)
+    m.trim()                                          # the pool goes, on every rank
+    assert assert_same_everywhere() == []
+    me = threading.get_ident()
+    m.free(m.alloc(16))                               # maps the page the cycles below reuse
+    sent = leader().rounds_by_thread[me]
+    for _ in range(200):
+        m.free(m.alloc(16))
+    assert leader().rounds_by_thread[me] == sent, (sent, leader().rounds_by_thread[me])
+    m.check_invariants()
+    limit = m.set_memory_limit(PAGE_ID_BYTES * world, revision=1)
+    assert limit["status"] == "applied" and limit["mapped_bytes"] <= PAGE_ID_BYTES * world, limit
+    assert len(assert_same_everywhere()) <= 1
+    m.close()
+    assert assert_same_everywhere() == []
+    return {"rounds": leader().num_rounds}
+
+
+def oom(cfg: dict, workdir: str) -> dict:
+    """One rank has room for `cfg["small_pages"]` page ids: past them alloc returns None and every
+    rank is as before; freeing makes room again."""
+    m = manager()
+    small = cfg["small_pages"]
+    held = []
+    for _ in range(small):
+        ids = alloc_pages(m, 1)
+        assert ids is not None
+        held.append(ids)
+    before = assert_same_everywhere()
+    assert len(before) == small
+    for n in (1, 2, 5):
+        assert alloc_pages(m, n) is None
+        assert assert_same_everywhere() == before
+        m.check_invariants()
+    m.free(held.pop())
+    again = alloc_pages(m, 1)
+    assert again is not None
+    assert len(assert_same_everywhere()) == small
+    m.close()
+    return {"pages": small}
+
+
+def model(cfg: dict, workdir: str) -> dict:
+    """Hypothesis: random alloc / free / trim / limit sequences; after each step every rank maps
+    exactly rank 0's page ids and the allocator's invariants hold."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    world = dist.get_world_size()
+    steps = st.lists(st.one_of(
+        st.tuples(st.just("alloc"), st.integers(1, 3 * BLOCKS_PER_PAGE)),
+        st.tuples(st.just("free"), st.integers(0, 1 << 30)),
+        st.tuples(st.just("trim"), st.just(0)),
+        st.tuples(st.just("limit"), st.integers(-1, NUM_PAGES)),
+        st.tuples(st.just("reserve"), st.integers(0, 2 * BLOCKS_PER_PAGE))), min_size=1, max_size=25)
+    counts = {"none": 0, "alloc": 0}
+
+    @settings(max_examples=cfg.get("examples", 25), deadline=None, database=None)
+    @given(ops=steps)
+    def run(ops):
+        m = manager()
+        live: list[list[int]] = []
+        revision = 0
+        try:
+            for op, arg in ops:
+                if op == "alloc":
+                    ids = m.alloc(arg)
+                    counts["none" if ids is None else "alloc"] += 1
+                    if ids is not None:
+                        assert len(set(ids)) == arg
+                        live.append(ids)
+                elif op == "free" and live:
+                    m.free(live.pop(arg % len(live)))
+                elif op == "trim":
+                    m.trim()
+                elif op == "limit":
+                    revision += 1
+                    m.set_memory_limit(-1 if arg < 0 else arg * PAGE_ID_BYTES * world, revision=revision)
+                elif op == "reserve":
+                    if m.try_to_reserve(arg):
+                        m.free_reserved()
+                m.check_invariants()                  # rank 0's allocator, then every rank's pages
+        finally:
+            m.close()
+        assert assert_same_everywhere() == []
+
+    run()
+    return counts
+
+
+def killed(cfg: dict, workdir: str) -> dict:
+    """The test kills (or stops) rank 1 once ``ready`` exists; the next call that needs it raises
+    KVCachedTPError within the timeout, and so does every later one, at once."""
+    m = manager()
+    held = alloc_pages(m, 1)
+    assert held is not None
+    touch(os.path.join(workdir, "ready"))
+    wait_for_file(os.path.join(workdir, "go"))
+    t0 = time.monotonic()
+    try:
+        alloc_pages(m, 1)
+    except KVCachedTPError as exc:
+        first = str(exc)
+        assert exc.rank == 1 and exc.operation == "map", (exc.rank, exc.operation)
+    else:
+        raise AssertionError("alloc with a dead rank did not raise")
+    elapsed = time.monotonic() - t0
+    assert "rank 1" in first and "restart every rank" in first, first
+    t1 = time.monotonic()
+    try:
+        m.free(held)                                  # an unmap: needs the peer too
+    except KVCachedTPError as exc:
+        second = str(exc)
+    else:
+        raise AssertionError("free with a dead rank did not raise")
+    assert "broken" in second, second
+    m._blocks.check_invariants()                      # rank 0's own state is settled
+    assert table().mapped_page_ids() == [], table().mapped_page_ids()
+    later = time.monotonic() - t1
+    try:
+        shutdown_kvcached()
+    except KVCachedTPError:
+        pass
+    return {"elapsed_s": elapsed, "later_s": later, "first": first}
+
+
+def unmap_fault(cfg: dict, workdir: str) -> dict:
+    """Rank 1's first two unmaps fail: the page it could not unmap is out of memory there (alloc
+    returns None, every rank as before) until its retry succeeds."""
+    m = manager()
+    ids = alloc_pages(m, 1)
+    m.free(ids)                                       # rank 1: unmap #1 fails, page 0 stays mapped
+    mapped = mapped_everywhere()
+    assert mapped[0] == [] and mapped[1] == [0], mapped
+    assert alloc_pages(m, 1) is None                  # page 0 again: rank 1's retry (#2) fails: OOM
+    mapped = mapped_everywhere()
+    assert mapped[0] == [] and mapped[1] == [0], mapped
+    ids = alloc_pages(m, 1)                           # retry #3 works, then the map
+    assert ids is not None
+    assert assert_same_everywhere() == [0]
+    m.free(ids)
+    assert assert_same_everywhere() == []
+    m.close()
+    return {}
+
+
+def mismatch(cfg: dict, workdir: str) -> dict:
+    """Set up by main(): rank 1 made other tensors, so rank 0's alloc_kv_cache refused."""
+    return {}
+
+
+SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, mismatch)}
+
+
+# -- every rank --------------------------------------------------------------------------------
+
+def main() -> None:
+    scenario, rank, world, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    cfg = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank,
+                            world_size=world)
+    capacity = cfg.get("capacity_pages", {}).get(str(rank), 4 * NUM_PAGES) * PAGE_ID_BYTES
+    init_kvcached(tp_rank=rank, world_size=world, device="cpu", page_size_bytes=PAGE_BYTES,
+                  host_capacity_bytes=capacity)
+    num_blocks = NUM_BLOCKS + (BLOCKS_PER_PAGE if scenario == "mismatch" and rank == 1 else 0)
+    shape = (2, num_blocks, BLOCK, HEADS, DIM)
+    if rank and cfg.get("unmap_faults"):
+        kv_runtime.runtime().backend.inject_fault("unmap", after=0, times=cfg["unmap_faults"])
+    if scenario == "mismatch" and rank == 0:
+        try:
+            alloc_kv_cache(shape, BLOCK, torch.float32, "cpu", LAYERS)
+        except KVCachedConfigError as exc:
+            assert "rank 1" in str(exc) and "num_pages" in str(exc), str(exc)
+            result = {"error": str(exc)}
+        else:
+            raise AssertionError("alloc_kv_cache with a rank of another geometry did not raise")
+    else:
+        alloc_kv_cache(shape, BLOCK, torch.float32, "cpu", LAYERS)
+        result = None
+    if rank:
+        try:
+            manager()
+        except KVCachedConfigError as exc:
+            assert f"tp_rank={rank}" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"a KVCacheManager on rank {rank} did not raise")
+        assert kv_runtime.wait_for_scheduler(WAIT_S), "rank 0 did not shut down"
+        assert kv_runtime.runtime().groups[0].page_table.mapped_page_ids() == []
+        shutdown_kvcached()
+    else:
+        random.seed(0)
+        if result is None:
+            result = SCENARIOS[scenario](cfg, workdir)
+        shutdown_kvcached()
+        with open(os.path.join(workdir, "result.json"), "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
