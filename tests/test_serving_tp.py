@@ -10,6 +10,9 @@ same, with a cache small enough that requests are preempted and recomputed.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +41,7 @@ from kvcached.serving.shard import plan_shard
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24                 # 96 tokens: 6 requests of up to 53 tokens do not fit at once
 MAX_BATCH_TOKENS = 32
+ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 600.0           # spawning 4 interpreters that import torch on a loaded 2-core machine
 GROUP_TIMEOUT_S = 300.0
 
@@ -198,6 +202,18 @@ def test_unsplit_or_mismatched_models_are_refused(single_rank_group):
     other = shard_model(build_model(), 1, 2)
     with pytest.raises(ValueError, match="shard 1 of 2"):
         TensorParallelLoop(other, StaticKVCache(shard_config(other.config, other.kvcached_shard), 8))
+
+
+# -- the benchmark's quick run -----------------------------------------------------------------
+
+def test_bench_serve_tp_quick_runs():
+    """Two CPU ranks through the launcher; it exits 1 when float32 tokens differ from TP = 1's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve_tp.py"), "--quick"],
+                          check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "TP = 1's tokens: 4 of 4" in proc.stdout
 
 
 # -- GPU: NCCL between two devices ---------------------------------------------------------------
