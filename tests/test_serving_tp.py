@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -59,24 +60,35 @@ def tp1_tokens(family: str, requests) -> tuple[dict[int, list[int]], int]:
     return serve(loop, requests), loop.stats.preemptions
 
 
-def _rank(rank: int, world_size: int, store: str, out: str, family: str, requests, backend: str,
-          device_type: str) -> None:
+@dataclass(frozen=True)
+class Scenario:
+    """What every rank of one spawned run does."""
+
+    family: str
+    requests: list
+    backend: str = "gloo"
+    device_type: str = "cpu"
+    fail_at_step: int | None = None     # rank 0 raises inside the loop's with block at this step
+
+
+class LeaderFailure(Exception):
+    pass
+
+
+def _rank(rank: int, world_size: int, store: str, out: str, scenario: Scenario) -> None:
     """One rank: join the group, split the model, run the loop (rank 0) or follow it."""
     torch.set_num_threads(1)
-    device = torch.device(f"cuda:{rank}" if device_type == "cuda" else "cpu")
+    device = torch.device(f"cuda:{rank}" if scenario.device_type == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
+    dist.init_process_group(scenario.backend, init_method=f"file://{store}", rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:
-        model = shard_model(build_model(family, device=device), rank, world_size)
+        model = shard_model(build_model(scenario.family, device=device), rank, world_size)
         cache = StaticKVCache(shard_config(model.config, model.kvcached_shard), NUM_BLOCKS, block_size=BLOCK_SIZE,
                               device=device)
         if rank == 0:
-            with TensorParallelLoop(model, cache, max_batch_tokens=MAX_BATCH_TOKENS) as loop:
-                results = serve(loop, requests)
-            report = {"results": results, "preemptions": loop.stats.preemptions, "steps": loop.steps_sent,
-                      "free_blocks": cache.available_blocks()}
+            report = _lead(model, cache, scenario)
         else:
             report = {"steps": TensorParallelWorker(model, cache).run()}
         Path(out, f"rank{rank}.json").write_text(json.dumps(report))
@@ -84,12 +96,25 @@ def _rank(rank: int, world_size: int, store: str, out: str, family: str, request
         dist.destroy_process_group()
 
 
-def run_tp(tmp_path: Path, world_size: int, family: str, requests, *, backend: str = "gloo",
-           device_type: str = "cpu") -> list[dict]:
-    """Spawn `world_size` ranks over `requests`; the per-rank reports. A rank that raises fails
-    the test with its traceback; ranks still running after RUN_TIMEOUT_S are killed."""
-    context = mp.spawn(_rank, args=(world_size, str(tmp_path / "store"), str(tmp_path), family, requests, backend,
-                                    device_type), nprocs=world_size, join=False)
+def _lead(model, cache, scenario: Scenario) -> dict:
+    def fail(step: int) -> None:
+        if step == scenario.fail_at_step:
+            raise LeaderFailure(f"failed at step {step}")
+
+    try:
+        with TensorParallelLoop(model, cache, max_batch_tokens=MAX_BATCH_TOKENS) as loop:
+            results = serve(loop, scenario.requests, during=fail)
+    except LeaderFailure as exc:
+        return {"raised": str(exc), "steps": loop.steps_sent}
+    return {"results": results, "preemptions": loop.stats.preemptions, "steps": loop.steps_sent,
+            "free_blocks": cache.available_blocks()}
+
+
+def run_tp(tmp_path: Path, world_size: int, scenario: Scenario) -> list[dict]:
+    """Spawn `world_size` ranks running `scenario`; the per-rank reports. A rank that raises
+    fails the test with its traceback; ranks still running after RUN_TIMEOUT_S are killed."""
+    context = mp.spawn(_rank, args=(world_size, str(tmp_path / "store"), str(tmp_path), scenario),
+                       nprocs=world_size, join=False)
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
@@ -97,7 +122,8 @@ def run_tp(tmp_path: Path, world_size: int, family: str, requests, *, backend: s
                 process.kill()
             pytest.fail(f"TP={world_size} ranks still running after {RUN_TIMEOUT_S} s")
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
-    reports[0]["results"] = {int(k): v for k, v in reports[0]["results"].items()}
+    if "results" in reports[0]:
+        reports[0]["results"] = {int(k): v for k, v in reports[0]["results"].items()}
     return reports
 
 
@@ -116,7 +142,7 @@ def check_against_tp1(family: str, requests, reports: list[dict]) -> None:
 def test_tp2_matches_tp1(tmp_path, family):
     """Two ranks (Qwen2: biased q/k/v; Mistral and Qwen2: a sliding window): TP = 1's tokens."""
     requests = tp_workload(seed=40 + len(family))
-    check_against_tp1(family, requests, run_tp(tmp_path, 2, family, requests))
+    check_against_tp1(family, requests, run_tp(tmp_path, 2, Scenario(family, requests)))
 
 
 def test_tp4_matches_tp1_with_replicated_kv_heads(tmp_path):
@@ -124,7 +150,15 @@ def test_tp4_matches_tp1_with_replicated_kv_heads(tmp_path):
     each KV head on two ranks."""
     assert plan_shard(model_config(), 3, 4).num_kv_heads == 1
     requests = tp_workload(seed=44)
-    check_against_tp1("llama", requests, run_tp(tmp_path, 4, "llama", requests))
+    check_against_tp1("llama", requests, run_tp(tmp_path, 4, Scenario("llama", requests)))
+
+
+def test_leader_failing_between_steps_stops_the_workers(tmp_path):
+    """An exception in rank 0's loop between steps (here a client callback) leaves the with
+    block, whose close() tells the workers to return: they end after the steps they were sent."""
+    reports = run_tp(tmp_path, 2, Scenario("llama", tp_workload(seed=45), fail_at_step=9))
+    assert reports[0]["raised"] == "failed at step 9"
+    assert 0 < reports[1]["steps"] == reports[0]["steps"]
 
 
 # -- the pieces, in one process ----------------------------------------------------------------
@@ -224,7 +258,7 @@ def test_bench_serve_tp_quick_runs():
 def test_gpu_tp2_nccl_matches_tp1(tmp_path, family):
     """float32 on two GPUs, NCCL for the plan and the all-reduces; the reference runs on cuda:0."""
     requests = tp_workload(seed=50)
-    reports = run_tp(tmp_path, 2, family, requests, backend="nccl", device_type="cuda")
+    reports = run_tp(tmp_path, 2, Scenario(family, requests, backend="nccl", device_type="cuda"))
     model = build_model(family, device="cuda:0")
     loop = ServingLoop(model, StaticKVCache(model.config, NUM_BLOCKS, block_size=BLOCK_SIZE, device="cuda:0"),
                        max_batch_tokens=MAX_BATCH_TOKENS)

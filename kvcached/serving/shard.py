@@ -126,6 +126,7 @@ def shard_model(model, rank: int, world_size: int, group=None):
 # tokens match TP=1 (the tests check it); in bfloat16 the logits differ in their last bits and a
 # near tie can flip a token, as it does between any two kernels (bench_serve_tp reports agreement).
 #
-# transformers' own tp_plan (``from_pretrained(tp_plan="auto")``) loads checkpoints through
-# DTensor; it does not apply to a model built from a config with random weights, nor give a
-# KV-head count per rank to size a paged cache, so the split is done here, on the plain Linears.
+# transformers' own tensor-parallel plan is applied by ``from_pretrained`` while it loads a
+# checkpoint (``tp_plan=`` until 5.17, ``distributed_config=`` from 5.18): a model built from a
+# config with random weights never goes through it, and it gives no KV-head count per rank to size
+# a paged cache. The split is done here instead, on the plain Linears, for both versions.

@@ -126,4 +126,5 @@ class TensorParallelWorker:
 #
 # If the leader fails inside a step, the workers are left in a collective that will not
 # complete and see the process group's timeout; the group is then unusable, as in any
-# torch.distributed program. A clean end is close(), which every exit path of the leader calls.
+# torch.distributed program. A clean end is close() (or leaving the loop's ``with`` block, which
+# closes on an exception too, before the step's broadcast if the failure came first).
