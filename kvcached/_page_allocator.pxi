@@ -631,7 +631,7 @@ cdef class PageAllocator:
         refill_target; then set the next round's target from the demand seen during this one.
         Callers short of pages wait for it (bg_refilling). See Note [Proactive refill]."""
         cdef uint64_t taken0, short0
-        cdef int got
+        cdef int got, chunk
         pthread_mutex_lock(&self.lock)
         if self.bg_stopping or self.idle_trimmed:
             pthread_mutex_unlock(&self.lock)
@@ -640,10 +640,12 @@ cdef class PageAllocator:
         short0 = self.num_slow_path + self.num_pool_waits
         self.bg_refilling = True
         pthread_mutex_unlock(&self.lock)
+        # a mirrored table pays a message per map call: the whole round in one (Note [Proactive refill])
+        chunk = 1 if self.table.mirror is None else self.num_table_pages
         try:
             got = 1
             while got > 0:
-                got = self._refill_chunk(1)
+                got = self._refill_chunk(chunk)
         finally:
             pthread_mutex_lock(&self.lock)
             self.bg_refilling = False
@@ -1327,7 +1329,9 @@ cdef class PageAllocator:
 #    trim or set_pool_bounds). The pool never exceeds max_reserved, as before; it may sit above
 #    min_reserved after a burst until used or idle-trimmed.
 #  - A round maps one page per map_lock hold and pools it at once (broadcasting pool_cv), so a
-#    page is usable as soon as it is mapped, not when the whole round ends.
+#    page is usable as soon as it is mapped, not when the whole round ends. Under a mirrored
+#    table (Note [Mirrored page table]) every map call costs a round trip to the peer ranks, so
+#    there a round maps all it needs in one call: one message per round, not one per page.
 #  - A caller short of pages while a round runs that will cover its need waits on pool_cv for the
 #    round's pages (num_pool_waits) instead of taking map_lock: before, it queued behind the
 #    round on map_lock, then re-took it ahead of the thread and mapped its own pages, so callers

@@ -4,6 +4,8 @@ standing where a tensor-parallel rank stands; kvcached/tp carries the same calls
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -26,9 +28,11 @@ class TableMirror:
         self.pending: list[int] | None = None
         self.peer_mapped = False
         self.calls = 0
+        self.batches: list[list[int]] = []
 
     def map_start(self, ids: list[int]) -> None:
         self.calls += 1
+        self.batches.append(list(ids))
         assert self.pending is None, "map_start twice without map_finish"
         if self.gone:
             raise PeerGone("peer gone at map_start")
@@ -195,5 +199,21 @@ def test_set_mirror_checks_the_object_and_the_table():
         assert stack.table.mirror is mirror
         stack.table.set_mirror(None)
         assert stack.blocks.alloc(1) is not None and peer.num_mapped == 0
+    finally:
+        stack.close()
+
+
+def test_a_refill_round_is_one_message():
+    """Under a mirror the refill thread maps a round's pages in one call, not one per page."""
+    stack, mirror, _ = mirrored_stack(16, 16, 16, min_reserved=4, max_reserved=4)
+    try:
+        stack.pages.start()
+        deadline = time.monotonic() + 60
+        while stack.pages.stats()["reserved"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)                           # polling a counter, with a generous bound
+        stack.pages.stop()
+        assert stack.pages.stats()["reserved"] == 4
+        assert mirror.batches == [[0, 1, 2, 3]]
+        assert_same_pages(stack, mirror)
     finally:
         stack.close()
