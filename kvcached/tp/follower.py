@@ -57,32 +57,18 @@ class Follower:
             self._cond.notify_all()
 
     def wait_stopped(self, timeout_s: float | None = None) -> bool:
-        """Whether serving ended (STOP from the scheduling rank, or its loss) within `timeout_s`."""
-        return self.stopped.wait(timeout_s)
+        """Whether serving ended (STOP from the scheduling rank, or its loss) within `timeout_s`;
+        if it did, the thread is joined (it only returns then)."""
+        if not self.stopped.wait(timeout_s):
+            return False
+        self._thread.join()
+        return True
 
     # -- the service thread ------------------------------------------------------------------
     def _serve(self) -> None:
-        import torch
-
         try:
-            while True:
-                msg = torch.empty(REQUEST_SLOTS, dtype=torch.int64)
-                self.channel.irecv(0, msg).wait()
-                req = decode_request(msg)
-                num_ids = int(msg[3])
-                if num_ids > INLINE_IDS:
-                    extra = torch.empty(num_ids - INLINE_IDS, dtype=torch.int64)
-                    self.channel.irecv(0, extra).wait()
-                    req.page_ids += extra.tolist()
-                self.num_requests += 1
-                status, count, args, payload = self._handle(req)
-                works = [self.channel.isend(0, encode_reply(req.seq, status, count, args))]
-                if payload is not None:
-                    works.append(self.channel.isend(0, payload))
-                for work in works:
-                    work.wait()
-                if req.op == STOP:
-                    return
+            while self._serve_one():
+                pass
         except Exception as exc:                 # the scheduling rank is gone: nothing to answer
             self.error = exc
             with self._cond:
@@ -91,6 +77,28 @@ class Follower:
                                  "until shutdown_kvcached() here", self.channel.rank, str(exc).splitlines()[0][:200])
         finally:
             self.stopped.set()
+
+    def _serve_one(self) -> bool:
+        """Receive, apply and answer one request; False after STOP. Its gloo work objects die
+        with this frame, before ``stopped`` is set and the process group may be destroyed."""
+        import torch
+
+        msg = torch.empty(REQUEST_SLOTS, dtype=torch.int64)
+        self.channel.irecv(0, msg).wait()
+        req = decode_request(msg)
+        num_ids = int(msg[3])
+        if num_ids > INLINE_IDS:
+            extra = torch.empty(num_ids - INLINE_IDS, dtype=torch.int64)
+            self.channel.irecv(0, extra).wait()
+            req.page_ids += extra.tolist()
+        self.num_requests += 1
+        status, count, args, payload = self._handle(req)
+        works = [self.channel.isend(0, encode_reply(req.seq, status, count, args))]
+        if payload is not None:
+            works.append(self.channel.isend(0, payload))
+        for work in works:
+            work.wait()
+        return req.op != STOP
 
     def _handle(self, req: Request):
         """(status, count, reply args, payload tensor or None) for one request."""
