@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kvcached import init_kvcached, shutdown_kvcached
 from kvcached.serving import (
     ElasticKVCache,
     ServingLoop,
@@ -54,10 +55,10 @@ def num_blocks(args) -> int:
     return args.requests * (-(-(args.prompt + args.new) // args.block_size) + 1)
 
 
-def make_cache(args, config, device, rank: int):
+def make_cache(args, config, device):
     if args.cache == "elastic":
         return ElasticKVCache(config, num_blocks(args), block_size=args.block_size, dtype=DTYPES[args.dtype],
-                              device=device, tp_rank=rank)
+                              device=device)
     return StaticKVCache(config, num_blocks(args), block_size=args.block_size, dtype=DTYPES[args.dtype], device=device)
 
 
@@ -85,7 +86,6 @@ def rank_main(rank: int, args, store: str, out: str) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank,
                             world_size=args.tp, timeout=timedelta(seconds=900))
     if args.cache == "elastic":
-        from kvcached import init_kvcached
         init_kvcached(tp_rank=rank, world_size=args.tp, device=str(device))
     try:
         model = build_model(args.family, preset=args.preset, dtype=DTYPES[args.dtype], device=device)
@@ -96,8 +96,8 @@ def rank_main(rank: int, args, store: str, out: str) -> None:
             tp1_rate, tp1_tokens = serve(ServingLoop(model, whole, max_batch_tokens=args.max_batch_tokens), work,
                                          args.new, device)
             del whole
-        shard_model(model, rank, args.tp)
-        cache = make_cache(args, shard_config(model.config, model.kvcached_shard), device, rank)
+        shard_model(model, rank, args.tp, reduce_dtype=torch.float32 if args.reduce_fp32 else None)
+        cache = make_cache(args, shard_config(model.config, model.kvcached_shard), device)
         if rank == 0:
             with TensorParallelLoop(model, cache, max_batch_tokens=args.max_batch_tokens) as loop:
                 rate, tokens = serve(loop, work, args.new, device)
@@ -110,9 +110,7 @@ def rank_main(rank: int, args, store: str, out: str) -> None:
             TensorParallelWorker(model, cache).run()
         cache.close()
     finally:
-        if args.cache == "elastic":
-            from kvcached import shutdown_kvcached
-            shutdown_kvcached()
+        shutdown_kvcached()             # before the group goes: rank 0 tells the others to unmap
         dist.destroy_process_group()
 
 
@@ -125,6 +123,7 @@ def main() -> int:
     parser.add_argument("--preset", default="llama3-8b")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--cache", choices=["static", "elastic"], default="static")
+    parser.add_argument("--reduce-fp32", action="store_true", help="sum the ranks' partial outputs in float32")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--new", type=int, default=64, help="new tokens per request")
@@ -143,7 +142,7 @@ def main() -> int:
         mp.spawn(rank_main, args=(args, str(Path(tmp, "store")), out), nprocs=args.tp)
         result = json.loads(Path(out).read_text())
     print(f"{args.family} {args.preset} {args.dtype} on {args.device}, {args.cache} cache, {args.requests} requests "
-          f"of {args.prompt} + {args.new} tokens")
+          f"of {args.prompt} + {args.new} tokens" + (", float32 partial sums" if args.reduce_fp32 else ""))
     print(f"{'TP':>3} {'new tokens/s':>13}")
     print(f"{1:>3} {result['tp1_rate']:>13.1f}")
     print(f"{args.tp:>3} {result['rate']:>13.1f}   x{result['rate'] / result['tp1_rate']:.2f}")

@@ -26,7 +26,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_serving import serve, serving_model, workload
 
+from kvcached import init_kvcached, shutdown_kvcached
+from kvcached.config import reload_settings
 from kvcached.serving import (
+    ElasticKVCache,
     ServingLoop,
     StaticKVCache,
     StepPlan,
@@ -37,11 +40,14 @@ from kvcached.serving import (
     shard_config,
     shard_model,
 )
-from kvcached.serving.shard import plan_shard
+from kvcached.serving.shard import RowParallelLinear, plan_shard
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24                 # 96 tokens: 6 requests of up to 53 tokens do not fit at once
 MAX_BATCH_TOKENS = 32
+PAGE_BYTES = 4096               # kvcached pages of the elastic runs: a few requests fill one
+ELASTIC_BLOCKS = 256
+ELASTIC_ENV = {"LAYOUT": "interleaved", "MIN_RESERVED_PAGES": "0", "MAX_RESERVED_PAGES": "1", "TRACKER": "0"}
 ROOT = Path(__file__).resolve().parent.parent
 RUN_TIMEOUT_S = 600.0           # spawning 4 interpreters that import torch on a loaded 2-core machine
 GROUP_TIMEOUT_S = 300.0
@@ -68,6 +74,9 @@ class Scenario:
     requests: list
     backend: str = "gloo"
     device_type: str = "cpu"
+    elastic: bool = False               # kvcached's cache (init_kvcached on every rank) instead of a static one
+    limit_pages_at: tuple[int, int] | None = None   # (step, pages): rank 0 lowers the memory limit then
+                                                    # (the cache gets ELASTIC_BLOCKS), else NUM_BLOCKS
     fail_at_step: int | None = None     # rank 0 raises inside the loop's with block at this step
 
 
@@ -85,29 +94,50 @@ def _rank(rank: int, world_size: int, store: str, out: str, scenario: Scenario) 
                             timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     try:
         model = shard_model(build_model(scenario.family, device=device), rank, world_size)
-        cache = StaticKVCache(shard_config(model.config, model.kvcached_shard), NUM_BLOCKS, block_size=BLOCK_SIZE,
-                              device=device)
+        config = shard_config(model.config, model.kvcached_shard)
+        if scenario.elastic:
+            for name, value in ELASTIC_ENV.items():
+                os.environ[f"KVCACHED_{name}"] = value
+            reload_settings()
+            init_kvcached(tp_rank=rank, world_size=world_size, device=str(device),
+                          page_size_bytes=PAGE_BYTES if device.type == "cpu" else None)
+            num_blocks = ELASTIC_BLOCKS if scenario.limit_pages_at else NUM_BLOCKS
+            cache = ElasticKVCache(config, num_blocks, block_size=BLOCK_SIZE, device=device)
+        else:
+            cache = StaticKVCache(config, NUM_BLOCKS, block_size=BLOCK_SIZE, device=device)
         if rank == 0:
             report = _lead(model, cache, scenario)
         else:
             report = {"steps": TensorParallelWorker(model, cache).run()}
+        cache.close()
         Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
+        shutdown_kvcached()             # before the group goes: rank 0 tells the others to unmap
         dist.destroy_process_group()
 
 
 def _lead(model, cache, scenario: Scenario) -> dict:
-    def fail(step: int) -> None:
+    limit = []
+
+    def during(step: int) -> None:
         if step == scenario.fail_at_step:
             raise LeaderFailure(f"failed at step {step}")
+        if scenario.limit_pages_at and step == scenario.limit_pages_at[0]:
+            limit.append(scenario.limit_pages_at[1] * cache.manager.page_bytes)
+            assert cache.mapped_bytes() > limit[0], f"the limit must bite: {cache.mapped_bytes()} bytes mapped"
+            cache.manager.set_memory_limit(limit[0], revision=1)
 
     try:
         with TensorParallelLoop(model, cache, max_batch_tokens=MAX_BATCH_TOKENS) as loop:
-            results = serve(loop, scenario.requests, during=fail)
+            results = serve(loop, scenario.requests, during=during)
     except LeaderFailure as exc:
         return {"raised": str(exc), "steps": loop.steps_sent}
-    return {"results": results, "preemptions": loop.stats.preemptions, "steps": loop.steps_sent,
-            "free_blocks": cache.available_blocks()}
+    report = {"results": results, "preemptions": loop.stats.preemptions, "steps": loop.steps_sent,
+              "free_blocks": cache.available_blocks()}
+    if scenario.elastic:
+        report.update(allocated=cache.manager.stats()["allocated"], mapped=cache.mapped_bytes(),
+                      limit=limit[0] if limit else None)
+    return report
 
 
 def run_tp(tmp_path: Path, world_size: int, scenario: Scenario) -> list[dict]:
@@ -151,6 +181,19 @@ def test_tp4_matches_tp1_with_replicated_kv_heads(tmp_path):
     assert plan_shard(model_config(), 3, 4).num_kv_heads == 1
     requests = tp_workload(seed=44)
     check_against_tp1("llama", requests, run_tp(tmp_path, 4, Scenario("llama", requests)))
+
+
+def test_tp2_over_elastic_kvcached_matches_tp1(tmp_path):
+    """kvcached's TP mode: rank 0's manager maps every block on both ranks; at step 6 the limit
+    drops to one page id (16 blocks on each rank), requests are preempted and recomputed, and the tokens are
+    still TP = 1's. A block the worker's rank did not map would fault on the worker."""
+    requests = [(0, prompt, 24) for _, prompt, _ in tp_workload(seed=46)]
+    reports = run_tp(tmp_path, 2, Scenario("llama", requests, elastic=True, limit_pages_at=(6, 1)))
+    leader = reports[0]
+    assert leader["results"] == tp1_tokens("llama", requests)[0]
+    assert leader["preemptions"] > 0 and leader["allocated"] == 0
+    assert leader["mapped"] <= leader["limit"]
+    assert reports[1]["steps"] == leader["steps"]
 
 
 def test_leader_failing_between_steps_stops_the_workers(tmp_path):
@@ -222,6 +265,20 @@ def test_tp_loop_of_one_rank_is_the_serving_loop(single_rank_group):
         loop.step()
 
 
+def test_row_parallel_linear_sums_in_its_reduce_dtype(single_rank_group):
+    """bfloat16 in, float32 partial sums: one rounding after the sum (bias included), which
+    differs from rounding the partial output first."""
+    torch.manual_seed(0)
+    full = torch.nn.Linear(64, 32).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    wide = RowParallelLinear(full, slice(0, 64), reduce_dtype=torch.float32)(x)
+    narrow = RowParallelLinear(full, slice(0, 64))(x)
+    assert wide.dtype == narrow.dtype == torch.bfloat16
+    assert torch.equal(wide, (x.float() @ full.weight.float().t() + full.bias.float()).to(torch.bfloat16))
+    assert torch.equal(narrow, torch.nn.functional.linear(x, full.weight) + full.bias)
+    assert not torch.equal(wide, narrow)
+
+
 def test_unsplit_or_mismatched_models_are_refused(single_rank_group):
     plain = build_model()
     with pytest.raises(ValueError, match="shard_model"):
@@ -241,10 +298,11 @@ def test_unsplit_or_mismatched_models_are_refused(single_rank_group):
 # -- the benchmark's quick run -----------------------------------------------------------------
 
 def test_bench_serve_tp_quick_runs():
-    """Two CPU ranks through the launcher; it exits 1 when float32 tokens differ from TP = 1's."""
+    """Two CPU ranks over kvcached's TP mode through the launcher; it exits 1 when float32 tokens
+    differ from TP = 1's."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve_tp.py"), "--quick"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve_tp.py"), "--quick", "--cache", "elastic"],
                           check=False, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "TP = 1's tokens: 4 of 4" in proc.stdout
@@ -254,13 +312,16 @@ def test_bench_serve_tp_quick_runs():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("elastic", [False, True], ids=["static", "elastic"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_gpu_tp2_nccl_matches_tp1(tmp_path, family):
-    """float32 on two GPUs, NCCL for the plan and the all-reduces; the reference runs on cuda:0."""
+def test_gpu_tp2_nccl_matches_tp1(tmp_path, family, elastic):
+    """float32 on two GPUs, NCCL for the plan and the all-reduces, a static cache or kvcached's
+    TP mode (2 MiB pages mapped on both GPUs); the reference runs on cuda:0."""
     requests = tp_workload(seed=50)
-    reports = run_tp(tmp_path, 2, Scenario(family, requests, backend="nccl", device_type="cuda"))
+    reports = run_tp(tmp_path, 2, Scenario(family, requests, backend="nccl", device_type="cuda", elastic=elastic))
     model = build_model(family, device="cuda:0")
     loop = ServingLoop(model, StaticKVCache(model.config, NUM_BLOCKS, block_size=BLOCK_SIZE, device="cuda:0"),
                        max_batch_tokens=MAX_BATCH_TOKENS)
     assert reports[0]["results"] == serve(loop, requests)
     assert reports[0]["preemptions"] > 0
+    assert reports[1]["steps"] == reports[0]["steps"]

@@ -103,30 +103,48 @@ class ElasticKVCache(PagedKVCache):
     memory limits, and a global budget (KVCACHED_GLOBAL_BUDGET) is honoured by alloc returning
     None. Call ``kvcached.init_kvcached`` first to pick the device or page size; otherwise the
     defaults apply. With the page_grouped layout the block ids are sparse (kvcached.layout).
+
+    Under tensor parallelism (``init_kvcached(tp_rank=r, world_size=w)`` on every rank) build it
+    on every rank from that rank's ``shard_config``: rank 0's cache has the manager, whose block
+    ids are backed on every rank once alloc returns; on the other ranks ``manager`` is None and
+    only the tensors are used (alloc and free raise RuntimeError). See Note [Leader and workers]
+    in kvcached.serving.tp.
     """
 
     def __init__(self, config, num_blocks: int, *, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device="cpu", kv_layout: str = "NHD", group_id: int = 0, pool_name: str | None = None):
         from kvcached import KVCacheManager, alloc_kv_cache
+        from kvcached.runtime import runtime
 
         super().__init__(config, num_blocks, block_size, dtype, kv_layout)
+        rt = runtime()
+        self.tp_rank = rt.tp_rank if rt.world_size > 1 else 0
         shape = _layer_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, kv_layout)
         self.kv = alloc_kv_cache(shape, self.block_size, dtype, str(device), self.num_layers, kv_layout=kv_layout,
                                  group_id=group_id)
-        self.manager = KVCacheManager(self.num_blocks, self.block_size, self.cell_bytes, self.num_layers,
-                                      group_id=group_id, pool_name=pool_name)
+        self.manager = None if self.tp_rank else KVCacheManager(
+            self.num_blocks, self.block_size, self.cell_bytes, self.num_layers, world_size=rt.world_size,
+            group_id=group_id, pool_name=pool_name)
+
+    def _scheduler(self):
+        if self.manager is None:
+            raise RuntimeError(f"this is tensor-parallel rank {self.tp_rank}: block ids come from rank 0's cache "
+                               f"(its manager maps them on every rank); use this cache's tensors only")
+        return self.manager
 
     def alloc(self, n: int) -> list[int] | None:
-        return self.manager.alloc(n)
+        return self._scheduler().alloc(n)
 
     def free(self, ids: list[int]) -> None:
-        self.manager.free(ids)
+        self._scheduler().free(ids)
 
     def available_blocks(self) -> int:
-        return self.manager.available_size()
+        return self._scheduler().available_size()
 
     def mapped_bytes(self) -> int:
-        return int(self.manager.get_mapped_memory_size())
+        """Memory the cache holds now; under tensor parallelism, rank 0 counts every rank's."""
+        return int(self._scheduler().get_mapped_memory_size())
 
     def close(self) -> None:
-        self.manager.close()
+        if self.manager is not None:
+            self.manager.close()

@@ -64,18 +64,32 @@ def shard_config(config, shard: Shard):
 
 class RowParallelLinear(nn.Module):
     """This rank's input columns of a Linear; the partial outputs are summed over the group,
-    then the bias is added once (so every rank ends with the same full output)."""
+    then the bias is added once (so every rank ends with the same full output).
 
-    def __init__(self, full: nn.Linear, columns: slice, group=None):
+    reduce_dtype (None: the input's) is the dtype of the partial outputs and of their sum:
+    float32 under a bfloat16 model rounds once after the sum, as one matmul over all columns
+    does, instead of once per rank. See Note [Head split]."""
+
+    def __init__(self, full: nn.Linear, columns: slice, group=None, reduce_dtype: torch.dtype | None = None):
         super().__init__()
         self.weight = nn.Parameter(full.weight.detach()[:, columns].clone(), requires_grad=False)
         self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone(), requires_grad=False)
         self.group = group
+        self.reduce_dtype = reduce_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = nn.functional.linear(x, self.weight)
+        dtype = self.reduce_dtype or x.dtype
+        if dtype == x.dtype:
+            out = nn.functional.linear(x, self.weight)
+        elif x.is_cuda:         # accumulates in float32 and keeps it, without a float32 copy of the weight
+            out = torch.mm(x.reshape(-1, x.shape[-1]), self.weight.t(), out_dtype=dtype)
+            out = out.view(*x.shape[:-1], out.shape[-1])
+        else:                   # no mm(out_dtype=) on the CPU
+            out = nn.functional.linear(x.to(dtype), self.weight.to(dtype))
         dist.all_reduce(out, group=self.group)
-        return out if self.bias is None else out + self.bias
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
 
 
 def _keep_rows(linear: nn.Linear, rows: slice) -> None:
@@ -86,11 +100,13 @@ def _keep_rows(linear: nn.Linear, rows: slice) -> None:
     linear.out_features = rows.stop - rows.start
 
 
-def shard_model(model, rank: int, world_size: int, group=None):
+def shard_model(model, rank: int, world_size: int, group=None, *, reduce_dtype: torch.dtype | None = None):
     """Keep rank `rank`'s part of every decoder layer of `model` (in place) and return the model;
     ``model.kvcached_shard`` records the Shard. The group's all-reduce joins the parts, so every
-    rank must run each forward together. Raises ValueError (model unchanged) for a model that
-    does not split `world_size` ways or is split already."""
+    rank must run each forward together; reduce_dtype is RowParallelLinear's (None: the model's
+    dtype, as vLLM does; torch.float32 under bfloat16 follows TP = 1 more closely, at twice the
+    bytes per all-reduce). Raises ValueError (model unchanged) for a model that does not split
+    `world_size` ways or is split already."""
     if getattr(model, "kvcached_shard", None) is not None:
         raise ValueError(f"the model is split already ({model.kvcached_shard}); build a fresh one to split it again")
     config = model.config
@@ -103,11 +119,11 @@ def shard_model(model, rank: int, world_size: int, group=None):
         _keep_rows(attention.q_proj, q_rows)
         _keep_rows(attention.k_proj, kv_rows)
         _keep_rows(attention.v_proj, kv_rows)
-        attention.o_proj = RowParallelLinear(attention.o_proj, q_rows, group)
+        attention.o_proj = RowParallelLinear(attention.o_proj, q_rows, group, reduce_dtype)
         attention.num_key_value_groups = shard.num_heads // shard.num_kv_heads
         _keep_rows(mlp.gate_proj, shard.intermediate)
         _keep_rows(mlp.up_proj, shard.intermediate)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, shard.intermediate, group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, shard.intermediate, group, reduce_dtype)
     model.kvcached_shard = shard
     return model
 
@@ -123,8 +139,12 @@ def shard_model(model, rank: int, world_size: int, group=None):
 # by intermediate columns the same way: two all-reduces per layer, none elsewhere.
 #
 # The sum over ranks rounds differently from one matmul over all columns: in float32 the greedy
-# tokens match TP=1 (the tests check it); in bfloat16 the logits differ in their last bits and a
-# near tie can flip a token, as it does between any two kernels (bench_serve_tp reports agreement).
+# tokens match TP=1 (the tests check it, on the CPU and on two GPUs). In bfloat16 each rank's
+# partial output is rounded to bfloat16 before the sum, where TP=1 rounds once: the logits differ
+# in their last bits and a near tie flips a token, which the flat logits of a random model have
+# early (bench_serve_tp counts the requests that kept TP=1's tokens). reduce_dtype=float32 keeps
+# the partials and their sum in float32 and rounds once, as TP=1 does; what still differs is the
+# order of float32 additions and the GEMM tiling of the narrower column-split matrices.
 #
 # transformers' own tensor-parallel plan is applied by ``from_pretrained`` while it loads a
 # checkpoint (``tp_plan=`` until 5.17, ``distributed_config=`` from 5.18): a model built from a
