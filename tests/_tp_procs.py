@@ -30,7 +30,7 @@ from kvcached.errors import KVCachedConfigError, KVCachedTPError  # noqa: E402
 
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
 BLOCK_BYTES = BLOCK * HEADS * DIM * 4
-NUM_PAGES = 16
+NUM_PAGES = 64
 WAIT_S = 120.0
 PAGE_BYTES = BLOCKS_PER_PAGE = NUM_BLOCKS = PAGE_ID_BYTES = 0     # set by configure()
 
@@ -72,8 +72,8 @@ def table():
 
 
 def mapped_everywhere() -> dict[int, list[int]]:
-    """{rank: mapped page ids of group 0}, rank 0's included."""
-    return {0: table().mapped_page_ids(), **leader().query(0)}
+    """{rank: mapped page ids of group 0}, rank 0's included, none half mapped."""
+    return leader().mapped_everywhere(0, table())
 
 
 def assert_same_everywhere() -> list[int]:
@@ -92,6 +92,11 @@ def basic(cfg: dict, workdir: str) -> dict:
     """Alloc and free map and unmap on every rank; the pool's fast path sends nothing from the
     caller's thread; the instance counts every rank's memory. Pool bounds 1..4 (environment)."""
     world = dist.get_world_size()
+    many = list(range(1, NUM_PAGES, 2))           # more ids than a request carries inline
+    assert table().map(many)
+    assert assert_same_everywhere() == many
+    table().unmap(many)
+    assert assert_same_everywhere() == []
     m = manager(world_size=world)
     assert m.page_bytes == PAGE_ID_BYTES * world and m.world_size == world
     blocks = [alloc_pages(m, 1) for _ in range(3)]

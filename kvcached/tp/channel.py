@@ -22,6 +22,9 @@ OP_NAMES = {HELLO: "hello", REGISTER: "register", MAP: "map", UNMAP: "unmap", QU
 # Reply statuses (reply slot 1).
 OK, OOM, ERROR, STOPPED = 0, 1, 2, 3
 
+# Gloo tags: each a FIFO of its own, so a receive posted ahead for the next request never takes
+# the overflow ids or a reply's payload (Note [TP messages]).
+TAG_HEADER, TAG_IDS, TAG_PAYLOAD = 0, 1, 2
 HEADER_SLOTS = 8                # op, seq, table_id, num_ids, arg0..arg3
 INLINE_IDS = 56                 # page ids carried in the request itself
 REQUEST_SLOTS = HEADER_SLOTS + INLINE_IDS
@@ -37,8 +40,9 @@ class Request:
     op: int
     seq: int
     table_id: int
-    page_ids: list[int]
+    page_ids: list[int]             # the inline ones until the overflow is received
     args: tuple[int, ...]
+    num_ids: int
 
     @property
     def name(self) -> str:
@@ -61,29 +65,43 @@ def _torch():
     return torch, dist
 
 
-def encode_request(op: int, seq: int, table_id: int, page_ids: list[int], args: tuple[int, ...] = ()):
-    """(header tensor, overflow tensor or None): ids past INLINE_IDS follow in a second message."""
-    torch, _ = _torch()
-    msg = torch.zeros(REQUEST_SLOTS, dtype=torch.int64)
-    head = [op, seq, table_id, len(page_ids), *args, *([0] * (NUM_ARGS - len(args)))]
-    msg[:HEADER_SLOTS] = torch.tensor(head, dtype=torch.int64)
+def encode_request(msg, op: int, seq: int, table_id: int, page_ids: list[int], args: tuple[int, ...] = ()):
+    """Fill `msg` (a numpy view of a request tensor) in place; returns the overflow tensor (ids
+    past INLINE_IDS, sent second on TAG_IDS) or None."""
+    msg[:HEADER_SLOTS] = 0
+    msg[0], msg[1], msg[2], msg[3] = op, seq, table_id, len(page_ids)
+    if args:
+        msg[4:4 + len(args)] = args
     inline = page_ids[:INLINE_IDS]
     if inline:
-        msg[HEADER_SLOTS:HEADER_SLOTS + len(inline)] = torch.tensor(inline, dtype=torch.int64)
-    extra = None if len(page_ids) <= INLINE_IDS else torch.tensor(page_ids[INLINE_IDS:], dtype=torch.int64)
-    return msg, extra
+        msg[HEADER_SLOTS:HEADER_SLOTS + len(inline)] = inline
+    if len(page_ids) <= INLINE_IDS:
+        return None
+    torch, _ = _torch()
+    return torch.tensor(page_ids[INLINE_IDS:], dtype=torch.int64)
 
 
 def decode_request(msg) -> Request:
+    """A Request from `msg` (a numpy view), copied out so the buffer can take the next one."""
     head = msg[:HEADER_SLOTS].tolist()
     n = head[3]
     return Request(head[0], head[1], head[2], msg[HEADER_SLOTS:HEADER_SLOTS + min(n, INLINE_IDS)].tolist(),
-                   tuple(head[4:4 + NUM_ARGS]))
+                   tuple(head[4:4 + NUM_ARGS]), n)
 
 
-def encode_reply(seq: int, status: int, count: int = 0, args: tuple[int, ...] = ()):
+def encode_reply(msg, seq: int, status: int, count: int = 0, args: tuple[int, ...] = ()) -> None:
+    """Fill `msg` (a numpy view of a reply tensor) in place."""
+    msg[:] = 0
+    msg[0], msg[1], msg[2] = seq, status, count
+    if args:
+        msg[3:3 + len(args)] = args
+
+
+def buffer(slots: int):
+    """(int64 tensor, its numpy view): messages are filled and read through the view."""
     torch, _ = _torch()
-    return torch.tensor([seq, status, count, *args, *([0] * (REPLY_SLOTS - 3 - len(args)))], dtype=torch.int64)
+    tensor = torch.zeros(slots, dtype=torch.int64)
+    return tensor, tensor.numpy()
 
 
 def text_tensor(text: str):
@@ -110,13 +128,13 @@ class Channel:
         self.broken: str | None = None
 
     # -- primitives ----------------------------------------------------------------------------
-    def isend(self, peer: int, tensor):
+    def isend(self, peer: int, tensor, tag: int = TAG_HEADER):
         _, dist = _torch()
-        return dist.isend(tensor, dst=self.global_ranks[peer], group=self.group)
+        return dist.isend(tensor, dst=self.global_ranks[peer], group=self.group, tag=tag)
 
-    def irecv(self, peer: int, tensor):
+    def irecv(self, peer: int, tensor, tag: int = TAG_HEADER):
         _, dist = _torch()
-        return dist.irecv(tensor, src=self.global_ranks[peer], group=self.group)
+        return dist.irecv(tensor, src=self.global_ranks[peer], group=self.group, tag=tag)
 
     def check(self, peer: int | None = None, operation: str | None = None) -> None:
         """Raise KVCachedTPError if the channel broke before."""
@@ -157,6 +175,12 @@ class Channel:
 # peer's own error message, so the scheduling rank raises with it). Fixed-size tensors because a
 # gloo receive needs its buffer up front; one tensor per message in the common case because each
 # message is a round of the transport (a refill round of up to max_reserved pages fits inline).
+# Buffers are made once and filled through numpy views (a torch op per field cost ~5 us each).
+# Gloo's TCP transport sends data only once the receiver has posted its receive (the receiver
+# notifies the sender), so every receive is posted ahead: the leader posts a round's reply
+# buffers before sending the request, the follower posts the next request's buffer before it
+# applies the current one. Headers, overflow ids and reply payloads travel on their own tags
+# (TAG_HEADER, TAG_IDS, TAG_PAYLOAD), so a receive posted ahead on one never matches another.
 #
 # Note [Gloo timeouts]
 # Gloo applies the group's timeout to every wait without an explicit one, and a wait that times

@@ -12,8 +12,9 @@ import logging
 import threading
 
 from ..errors import DriverError
-from .channel import (ERROR, HELLO, INLINE_IDS, MAP, OK, OOM, QUERY, REGISTER, RELEASE_CACHED, REQUEST_SLOTS, STOP,
-                      STOPPED, UNMAP, Channel, Request, decode_request, encode_reply, text_tensor)
+from .channel import (ERROR, HELLO, INLINE_IDS, MAP, OK, OOM, QUERY, REGISTER, RELEASE_CACHED, REPLY_SLOTS,
+                      REQUEST_SLOTS, STOP, STOPPED, TAG_IDS, TAG_PAYLOAD, UNMAP, Channel, Request, buffer,
+                      decode_request, encode_reply, text_tensor)
 
 logger = logging.getLogger("kvcached")
 
@@ -67,8 +68,7 @@ class Follower:
     # -- the service thread ------------------------------------------------------------------
     def _serve(self) -> None:
         try:
-            while self._serve_one():
-                pass
+            self._serve_loop()
         except Exception as exc:                 # the scheduling rank is gone: nothing to answer
             self.error = exc
             with self._cond:
@@ -78,27 +78,37 @@ class Follower:
         finally:
             self.stopped.set()
 
-    def _serve_one(self) -> bool:
-        """Receive, apply and answer one request; False after STOP. Its gloo work objects die
-        with this frame, before ``stopped`` is set and the process group may be destroyed."""
+    def _serve_loop(self) -> None:
+        """Receive, apply and answer requests until STOP. The next request's receive is posted
+        before this one is applied (Note [TP messages] in channel); none is posted after STOP.
+        Its gloo work objects die with this frame, before ``stopped`` is set and the process
+        group may be destroyed."""
         import torch
 
-        msg = torch.empty(REQUEST_SLOTS, dtype=torch.int64)
-        self.channel.irecv(0, msg).wait()
-        req = decode_request(msg)
-        num_ids = int(msg[3])
-        if num_ids > INLINE_IDS:
-            extra = torch.empty(num_ids - INLINE_IDS, dtype=torch.int64)
-            self.channel.irecv(0, extra).wait()
-            req.page_ids += extra.tolist()
-        self.num_requests += 1
-        status, count, args, payload = self._handle(req)
-        works = [self.channel.isend(0, encode_reply(req.seq, status, count, args))]
-        if payload is not None:
-            works.append(self.channel.isend(0, payload))
-        for work in works:
-            work.wait()
-        return req.op != STOP
+        requests = [buffer(REQUEST_SLOTS), buffer(REQUEST_SLOTS)]
+        reply, reply_np = buffer(REPLY_SLOTS)
+        turn = 0
+        pending = self.channel.irecv(0, requests[0][0])
+        while True:
+            pending.wait()
+            req = decode_request(requests[turn][1])
+            if req.op != STOP:
+                turn ^= 1
+                pending = self.channel.irecv(0, requests[turn][0])
+            if req.num_ids > INLINE_IDS:
+                extra = torch.empty(req.num_ids - INLINE_IDS, dtype=torch.int64)
+                self.channel.irecv(0, extra, TAG_IDS).wait()
+                req.page_ids += extra.tolist()
+            self.num_requests += 1
+            status, count, args, payload = self._handle(req)
+            encode_reply(reply_np, req.seq, status, count, args)
+            works = [self.channel.isend(0, reply)]
+            if payload is not None:
+                works.append(self.channel.isend(0, payload, TAG_PAYLOAD))
+            for work in works:
+                work.wait()
+            if req.op == STOP:
+                return
 
     def _handle(self, req: Request):
         """(status, count, reply args, payload tensor or None) for one request."""

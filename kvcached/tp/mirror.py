@@ -15,8 +15,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import KVCachedConfigError, KVCachedTPError
-from .channel import (ERROR, HELLO, MAP, OK, OOM, OP_NAMES, QUERY, REGISTER, RELEASE_CACHED, REPLY_SLOTS, STOP,
-                      STOPPED, UNMAP, Channel, Reply, encode_request)
+from .channel import (ERROR, HELLO, MAP, OK, OOM, OP_NAMES, QUERY, REGISTER, RELEASE_CACHED, REPLY_SLOTS,
+                      REQUEST_SLOTS, STOP, STOPPED, TAG_IDS, TAG_PAYLOAD, UNMAP, Channel, Reply, buffer, encode_request)
 
 logger = logging.getLogger("kvcached")
 
@@ -30,7 +30,7 @@ class _Round:
     table_id: int
     page_ids: list[int]
     deadline: float
-    posted: dict = field(default_factory=dict)      # peer -> (send works, reply tensor, reply work)
+    posted: dict = field(default_factory=dict)      # peer -> (send works, reply work)
 
 
 class Leader:
@@ -47,6 +47,9 @@ class Leader:
         self.rounds_by_thread: Counter[int] = Counter()
         self.stopped = False
         self._seq = 0
+        # reused every round: a round's sends complete before the next is posted (the lock)
+        self._request, self._request_np = buffer(REQUEST_SLOTS)
+        self._replies = {peer: buffer(REPLY_SLOTS) for peer in self.peers}
 
     @property
     def peers(self) -> range:
@@ -57,8 +60,6 @@ class Leader:
               peers=None) -> _Round:
         """Post each peer's reply buffer, then send it the request. Raises KVCachedTPError
         (channel broken) if a peer cannot be reached."""
-        import torch
-
         name = OP_NAMES[op]
         self.channel.check(operation=name)
         if self.stopped:
@@ -68,17 +69,16 @@ class Leader:
         self.num_rounds += 1
         self.rounds_by_thread[threading.get_ident()] += 1
         rnd = _Round(op, self._seq, table_id, page_ids, self.channel.deadline())
-        msg, extra = encode_request(op, self._seq, table_id, page_ids, args)
+        extra = encode_request(self._request_np, op, self._seq, table_id, page_ids, args)
         for peer in self.peers if peers is None else peers:
             try:
-                reply = torch.empty(REPLY_SLOTS, dtype=torch.int64)
-                reply_work = self.channel.irecv(peer, reply)
-                sends = [self.channel.isend(peer, msg)]
+                reply_work = self.channel.irecv(peer, self._replies[peer][0])
+                sends = [self.channel.isend(peer, self._request)]
                 if extra is not None:
-                    sends.append(self.channel.isend(peer, extra))
+                    sends.append(self.channel.isend(peer, extra, TAG_IDS))
             except Exception as exc:
                 self._fail(peer, name, exc)
-            rnd.posted[peer] = (sends, reply, reply_work)
+            rnd.posted[peer] = (sends, reply_work)
         return rnd
 
     def _fail(self, peer: int, name: str, exc: Exception) -> None:
@@ -92,11 +92,11 @@ class Leader:
 
         name = OP_NAMES[rnd.op]
         replies = {}
-        for peer, (sends, reply, reply_work) in rnd.posted.items():
+        for peer, (sends, reply_work) in rnd.posted.items():
             for work in sends:
                 self.channel.wait(work, rnd.deadline, peer, name)
             self.channel.wait(reply_work, rnd.deadline, peer, name)
-            seq, status, count, *args = reply.tolist()
+            seq, status, count, *args = self._replies[peer][1].tolist()
             if seq != rnd.seq:
                 self.channel.broken = f"tensor-parallel rank {peer} answered request {seq} to request {rnd.seq}."
                 raise KVCachedTPError(f"{self.channel.broken} The control channel is out of step: restart every rank.",
@@ -104,7 +104,7 @@ class Leader:
             payload = None
             if count and (status == ERROR or (status == OK and rnd.op == QUERY)):
                 buf = torch.empty(count, dtype=torch.uint8 if status == ERROR else torch.int64)
-                self.channel.wait(self.channel.irecv(peer, buf), rnd.deadline, peer, name)
+                self.channel.wait(self.channel.irecv(peer, buf, TAG_PAYLOAD), rnd.deadline, peer, name)
                 payload = bytes(buf.numpy()).decode(errors="replace") if status == ERROR else buf.tolist()
             replies[peer] = Reply(seq, status, count, tuple(args), payload)
         return replies
@@ -144,24 +144,24 @@ class Leader:
         if refusal:
             raise KVCachedConfigError(f"KV group {table_id} cannot be mirrored: {refusal}")
 
-    def query(self, table_id: int) -> dict[int, list[int]]:
-        """{peer: its mapped page ids of `table_id`, ascending}."""
-        return self._mapped(self.call(QUERY, table_id), table_id)
-
     def _mapped(self, replies: dict[int, Reply], table_id: int) -> dict[int, list[int]]:
         refusal = self._refusal(replies, f"report KV group {table_id}")
         if refusal:
             raise KVCachedTPError(f"tensor-parallel query of KV group {table_id} failed: {refusal}", operation="query")
         return {peer: list(reply.payload or []) for peer, reply in replies.items()}
 
-    def check_peers(self, table_id: int, table) -> None:
-        """Assert that every peer maps exactly the page ids `table` maps here (O(pages) per
-        rank). Under the lock, so no map or unmap is half done."""
+    def mapped_everywhere(self, table_id: int, table) -> dict[int, list[int]]:
+        """{rank: its mapped page ids of `table_id`, ascending}, rank 0's (`table`) included;
+        read under the lock, so no map or unmap is half done. O(pages) per rank."""
         with self.lock:
-            mapped = self._mapped(self._collect(self._post(QUERY, table_id, [])), table_id)
-            here = table.mapped_page_ids()
-        for peer, ids in mapped.items():
-            assert ids == here, (f"group {table_id}: rank {peer} maps {ids}, rank 0 maps {here}")
+            peers = self._mapped(self._collect(self._post(QUERY, table_id, [])), table_id)
+            return {0: table.mapped_page_ids(), **peers}
+
+    def check_peers(self, table_id: int, table) -> None:
+        """Assert that every peer maps exactly the page ids `table` maps here."""
+        mapped = self.mapped_everywhere(table_id, table)
+        for rank, ids in mapped.items():
+            assert ids == mapped[0], f"group {table_id}: rank {rank} maps {ids}, rank 0 maps {mapped[0]}"
 
     def release_cached(self) -> None:
         """Every peer gives its backend's cached physical handles back (a lowered limit)."""
