@@ -81,11 +81,32 @@ def test_init_bad_arguments(kv_env, kwargs, match):
 
 def test_init_world_size_and_bad_env(kv_env):
     kv_env()
-    with pytest.raises(KVCachedConfigError, match="world_size=2"):
+    with pytest.raises(KVCachedConfigError, match="world_size=2 needs torch.distributed initialised"):
         init_kvcached(device="cpu", world_size=2)
+    with pytest.raises(KVCachedConfigError, match=r"tp_rank=2 is outside \[0, 2\) for world_size=2"):
+        init_kvcached(device="cpu", world_size=2, tp_rank=2)
+    with pytest.raises(KVCachedConfigError, match="world_size=0"):
+        init_kvcached(device="cpu", world_size=0)
+    assert rt_mod._runtime is None
     with pytest.raises(KVCachedConfigError, match="KVCACHED_MIN_RESERVED_PAGES=5"):
         kv_env(MIN_RESERVED_PAGES=5, MAX_RESERVED_PAGES=1)          # reloads the settings
     kv_env(MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=1)
+
+
+def test_init_world_size_must_match_torch_distributed(kv_env, tmp_path):
+    """A world of one process: world_size=2 names the mismatch; tp_group must be gloo and match."""
+    import torch.distributed as dist
+
+    kv_env()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(KVCachedConfigError, match="do not match torch.distributed's rank 0 of 1"):
+            init_kvcached(device="cpu", world_size=2)
+        with pytest.raises(KVCachedConfigError, match="do not match tp_group's rank 0 of 1"):
+            init_kvcached(device="cpu", world_size=2, tp_group=dist.group.WORLD)
+        assert rt_mod._runtime is None
+    finally:
+        dist.destroy_process_group()
 
 
 def test_init_twice(cpu):

@@ -1,0 +1,24 @@
+"""Smoke run of bench_tp.py (CI): TP=1 and TP=2 on the host backend, one layout, a few repeats.
+
+Checks what the benchmark reports, never how fast: every figure is there, and the pool's fast
+path sent no message from the calling thread.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent / "bench_tp.py"
+
+
+def test_bench_tp_quick(tmp_path):
+    out = tmp_path / "tp.json"
+    subprocess.run([sys.executable, str(BENCH), "--quick", "--repeats", "5", "--tp", "1", "2", "--layouts",
+                    "interleaved", "--json", str(out)], check=True, timeout=600)
+    results = json.loads(out.read_text())["results"]
+    for tp in ("1", "2"):
+        row = results[tp]["interleaved"]
+        assert set(row) == {"map_us", "unmap_us", "alloc_free_pool_off_us", "alloc16_free_pool_on_us",
+                            "messages_per_pool_cycle"}, row
+        assert row["messages_per_pool_cycle"] == 0, row
