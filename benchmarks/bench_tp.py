@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_alloc import cycle, time_per_call  # noqa: E402
+from bench_alloc import cycle, time_per_call
 
 NUM_LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 PAGE_BYTES = 2 << 20

@@ -47,7 +47,10 @@ class Group(Protocol):
     layout: KVLayout
     page_table: PageTable
     managers: list[KVCacheManager]
-    peers: Peers | None
+
+    @property
+    def peers(self) -> Peers | None:
+        """The other ranks under tensor parallelism, on the scheduling rank; else None."""
 
 
 class Peers(Protocol):

@@ -27,7 +27,13 @@ from . import config
 from ._steps import Steps
 from .checks import as_int
 from .errors import KVCachedClosedError, KVCachedConfigError
-from .kv_cache_manager import Group, KVCacheManager, check_geometry, check_limit_request, refuse_async_sched
+from .kv_cache_manager import (
+    Group,
+    KVCacheManager,
+    check_geometry,
+    check_limit_request,
+    refuse_async_sched,
+)
 from .layout import KVLayout, choose_layout, make_layout
 from .mem_info_tracker import classify_limit_request, split_limit
 
@@ -485,18 +491,28 @@ def shutdown_kvcached() -> None:
                           f"init_kvcached() and alloc_kv_cache() again, then make a new manager.")
             steps.run(group.page_table.close)
         if rt.tp is not None and not rt.tp_rank:
-            steps.run(rt.tp.stop)
+            steps.run(_stop_peers, rt)
         steps.run(rt.backend.release_cached)
         rt.groups.clear()
         config.reload_settings()
         steps.raise_first()
 
 
+def _stop_peers(rt: _Runtime) -> None:
+    """Rank 0's shutdown: every peer unmaps what is left and stops serving."""
+    from .tp import Leader
+
+    assert isinstance(rt.tp, Leader)
+    rt.tp.stop()
+
+
 def _stop_following(rt: _Runtime) -> None:
     """A peer's shutdown: wait (KVCACHED_TP_TIMEOUT_S) for rank 0 to stop it, then refuse its
     later requests. See Note [Tensor-parallel runtime]."""
+    from .tp import Follower
+
     follower = rt.tp
-    assert follower is not None and rt.tp_rank
+    assert isinstance(follower, Follower)
     if not follower.wait_stopped(follower.channel.timeout_s):
         logger.warning("rank %d: rank 0 did not shut kvcached down within KVCACHED_TP_TIMEOUT_S; this rank's pages "
                        "are unmapped now and rank 0's later requests are refused", rt.tp_rank)
@@ -508,13 +524,15 @@ def wait_for_scheduler(timeout_s: float | None = None) -> bool:
     (or was lost), for at most `timeout_s` seconds (None: no bound). Returns whether it has.
     Meanwhile this rank's service thread keeps mapping what rank 0 allocates. Raises
     KVCachedConfigError on rank 0 or without tensor parallelism."""
+    from .tp import Leader
+
     with _lock:
         rt = runtime()
-        if rt.tp is None or not rt.tp_rank:
+        follower = rt.tp
+        if follower is None or isinstance(follower, Leader):
             raise KVCachedConfigError(f"wait_for_scheduler() is for ranks > 0 of a tensor-parallel instance; this is "
                                       f"rank {rt.tp_rank} of {rt.world_size}")
-        follower = rt.tp
-    return follower.wait_stopped(timeout_s)  # type: ignore[union-attr]
+    return follower.wait_stopped(timeout_s)
 
 
 def stop_at_exit() -> None:

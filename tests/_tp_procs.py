@@ -21,12 +21,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
-from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached, shutdown_kvcached  # noqa: E402
-from kvcached import runtime as kv_runtime  # noqa: E402
-from kvcached.errors import KVCachedConfigError, KVCachedTPError  # noqa: E402
+from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached, shutdown_kvcached
+from kvcached import runtime as kv_runtime
+from kvcached.errors import KVCachedConfigError, KVCachedTPError
 
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
 BLOCK_BYTES = BLOCK * HEADS * DIM * 4

@@ -18,7 +18,6 @@ import sys
 import time
 
 import pytest
-
 from _tp_procs import wait_for_file
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

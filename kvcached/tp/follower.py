@@ -10,11 +10,36 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from ..errors import DriverError
-from .channel import (ERROR, HELLO, INLINE_IDS, MAP, OK, OOM, QUERY, REGISTER, RELEASE_CACHED, REPLY_SLOTS,
-                      REQUEST_SLOTS, STOP, STOPPED, TAG_IDS, TAG_PAYLOAD, UNMAP, Channel, Request, buffer,
-                      decode_request, encode_reply, text_tensor)
+from .channel import (
+    ERROR,
+    HELLO,
+    INLINE_IDS,
+    MAP,
+    OK,
+    OOM,
+    QUERY,
+    REGISTER,
+    RELEASE_CACHED,
+    REPLY_SLOTS,
+    REQUEST_SLOTS,
+    STOP,
+    STOPPED,
+    TAG_IDS,
+    TAG_PAYLOAD,
+    UNMAP,
+    Channel,
+    Request,
+    buffer,
+    decode_request,
+    encode_reply,
+    text_tensor,
+)
+
+if TYPE_CHECKING:
+    from .._core import Backend, PageTable
 
 logger = logging.getLogger("kvcached")
 
@@ -26,7 +51,7 @@ class Follower:
     unmapped again before each later map of that table; a map that asks for one still stuck is
     out of memory on this rank (the scheduling rank rolls every rank back)."""
 
-    def __init__(self, channel: Channel, backend, page_bytes: int) -> None:
+    def __init__(self, channel: Channel, backend: Backend, page_bytes: int) -> None:
         self.channel = channel
         self.backend = backend
         self.page_bytes = page_bytes
@@ -34,7 +59,7 @@ class Follower:
         self.error: BaseException | None = None         # why serving ended, if not by STOP
         self.stopped = threading.Event()                # the service thread has ended
         self._cond = threading.Condition()
-        self._tables: dict[int, tuple[object, tuple[int, ...]]] = {}
+        self._tables: dict[int, tuple[PageTable, tuple[int, ...]]] = {}
         self._stuck: dict[int, set[int]] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name=f"kvcached-tp-rank{channel.rank}", daemon=True)
@@ -42,7 +67,7 @@ class Follower:
     def start(self) -> None:
         self._thread.start()
 
-    def add_table(self, table_id: int, table, geometry: tuple[int, ...]) -> None:
+    def add_table(self, table_id: int, table: PageTable, geometry: tuple[int, ...]) -> None:
         """Serve `table` under `table_id` (alloc_kv_cache on this rank); wakes a REGISTER that waits."""
         with self._cond:
             self._tables[table_id] = (table, geometry)

@@ -15,8 +15,28 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import KVCachedConfigError, KVCachedTPError
-from .channel import (ERROR, HELLO, MAP, OK, OOM, OP_NAMES, QUERY, REGISTER, RELEASE_CACHED, REPLY_SLOTS,
-                      REQUEST_SLOTS, STOP, STOPPED, TAG_IDS, TAG_PAYLOAD, UNMAP, Channel, Reply, buffer, encode_request)
+from .channel import (
+    ERROR,
+    HELLO,
+    MAP,
+    OK,
+    OOM,
+    OP_NAMES,
+    QUERY,
+    REGISTER,
+    RELEASE_CACHED,
+    REPLY_SLOTS,
+    REQUEST_SLOTS,
+    STOP,
+    STOPPED,
+    TAG_IDS,
+    TAG_PAYLOAD,
+    UNMAP,
+    Channel,
+    Reply,
+    buffer,
+    encode_request,
+)
 
 logger = logging.getLogger("kvcached")
 
