@@ -10,8 +10,8 @@
   max_new_tokens) -> id``, ``step() -> finished Requests``, ``run_until_done() -> {id: tokens}``,
   ``has_work()``, ``abort(id)``, ``stats`` (LoopStats: running, waiting, finished, preemptions,
   generated_tokens, tokens_per_s, ...).
-- Tensor parallelism: ``shard_model(model, rank, world_size, group=)`` keeps one rank's heads and
-  MLP columns; ``shard_config(model.config, model.kvcached_shard)`` is what that rank's KV cache
+- Tensor parallelism: ``shard_model(model, rank, world_size, group=, reduce_dtype=)`` keeps one
+  rank's heads and MLP columns; ``shard_config(model.config, model.kvcached_shard)`` is what that rank's KV cache
   is built from; ``TensorParallelLoop(model, cache, group=)`` (a ServingLoop) runs on rank 0 and
   ``TensorParallelWorker(model, cache, group=).run()`` on the others. ``StepPlan`` is one step's
   inputs as one tensor (what rank 0 broadcasts).

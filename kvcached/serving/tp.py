@@ -123,6 +123,9 @@ class TensorParallelWorker:
 # number of blocks, used only through its tensors: with StaticKVCache every id exists on every
 # rank; with kvcached's elastic cache rank 0's page table repeats its maps on the workers
 # (PageTable.set_mirror) before alloc returns, so a block id in a plan is backed on every rank.
+# Rank 0 frees blocks (and lowers limits, which unmaps) only between steps, after sampling: its
+# logits needed the last all-reduce of the step, which a worker's stream reaches only after every
+# KV read and write of that step, so a page never goes from a worker while its GPU still uses it.
 #
 # If the leader fails inside a step, the workers are left in a collective that will not
 # complete and see the process group's timeout; the group is then unusable, as in any
