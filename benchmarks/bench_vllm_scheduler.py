@@ -242,7 +242,8 @@ def print_report(timing: list[dict], memory: list[dict], ours: RoundResult, meta
     print(f"\nvLLM {meta['vllm']} Scheduler, {meta['steps_run']} steps, {meta['requests']} requests, "
           f"{meta['rounds']} rounds per pool, prefix caching {meta['prefix_caching']}, "
           f"num_gpu_blocks {meta['num_blocks']} x {BLOCK_BYTES >> 20} MiB; "
-          f"{meta['date']}, commit {meta['commit']}, {meta['machine']}")
+          f"{meta['date']}, commit {meta['commit']}, {meta['machine']}, load average "
+          f"{meta['load_average'][0]:.2f} before the timed rounds, {meta['load_average'][1]:.2f} after")
     print(f"\n{'time per step (µs)':<38}{'stock median':>14}{'p90':>9}{'kvcached median':>17}{'p90':>9}"
           f"{'ratio median':>14}{'p90':>8}")
     for row in timing:
@@ -299,6 +300,7 @@ def main() -> None:
     init_kvcached(device="cpu", host_capacity_bytes=HOST_CAPACITY)
     init_none_hash(sha256)
     arrivals = request_stream(args.steps, args.peak_rate, args.seed)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         configs = make_config(write_model_dir(Path(tmp)), args.num_blocks, max_num_seqs=128,
                               max_num_batched_tokens=2048, prefix_caching=args.prefix_caching == "on")
@@ -308,6 +310,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = ("stock", "kvcached") if r % 2 == 0 else ("kvcached", "stock")
             results += [run_round(pool, configs, arrivals, args.steps) for pool in order]
+        load_after = os.getloadavg()[0]
         ours = run_round("kvcached", configs, arrivals, args.steps, sample_memory=True)
     stock = next(r for r in results if r.pool == "stock")
     identical = all((r.tokens, len(r.schedule_ns), r.preemptions) == (stock.tokens, len(stock.schedule_ns),
@@ -317,7 +320,8 @@ def main() -> None:
             "rounds": args.rounds, "num_blocks": args.num_blocks, "block_bytes": BLOCK_BYTES,
             "tokens": stock.tokens, "preemptions": stock.preemptions, "identical": identical,
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"}
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+            "load_average": [round(load_before, 2), round(load_after, 2)]}
     timing = timing_rows(results)
     memory = memory_rows(ours, samples=13)
     print_report(timing, memory, ours, meta)

@@ -447,6 +447,44 @@ def test_free_count_is_exactly_what_get_new_blocks_can_hand_out(kv, held, cached
         pool.close()
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(held=st.integers(0, 4 * PER_PAGE), cached=st.integers(0, 100), limit_pages=st.integers(0, 6),
+       extra=st.integers(0, 3 * PER_PAGE), seed=st.integers(0, 2**32 - 1))
+def test_a_limit_lowered_between_the_count_and_the_allocation(kv, held, cached, limit_pages, extra, seed):
+    """vLLM counts, then allocates; a limit lowered in between (the tracker's watcher thread) is
+    the race of Note [Honest free count]: get_new_blocks(n) for the count taken before succeeds
+    exactly when the count taken after still covers n (falling back on held cached blocks), and
+    otherwise raises ValueError with the pool, its free queue and kvcached unchanged."""
+    import random
+
+    set_pool_geometry(SMALL_BLOCKS)
+    pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
+    try:
+        rng = random.Random(seed)
+        blocks = pool.get_new_blocks(held)
+        rng.shuffle(blocks)
+        for n, block in enumerate(blocks[:cached]):
+            pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(b"h%d" % n), 0), block,
+                                    num_tokens=TOKENS_PER_BLOCK)
+        pool.free_blocks(blocks[:len(blocks) // 2])
+        wanted = min(pool.get_num_free_blocks(), extra)                 # vLLM's admission
+        pool.manager.set_memory_limit(limit_pages * PAGE, revision=1)   # ... another thread, meanwhile
+        covered = wanted <= pool.get_num_free_blocks()
+        queue = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+        allocated, held_before = pool.manager.stats()["allocated"], bytes(pool._held)
+        if covered:
+            taken = pool.get_new_blocks(wanted)
+            assert len({b.block_id for b in taken}) == wanted and all(b.ref_cnt == 1 for b in taken)
+        else:
+            with pytest.raises(ValueError, match=f"Cannot get {wanted} free blocks"):
+                pool.get_new_blocks(wanted)
+            assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == queue
+            assert pool.manager.stats()["allocated"] == allocated and bytes(pool._held) == held_before
+        pool.check_invariants()
+    finally:
+        pool.close()
+
+
 def test_lowered_limit_mid_run_shrinks_admission_and_never_raises(kv):
     """A vLLM KVCacheManager with prefix caching serves a stream of requests; then the limit
     drops to 2 pages: the pool gives back its cached pages and the free count drops with them,

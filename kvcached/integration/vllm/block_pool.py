@@ -149,10 +149,12 @@ class ElasticBlockPool(BlockPool):
                          medium=medium)
         manager, standalone_group = _manager_for(num_gpu_blocks)
         self.manager = manager
+        # Bound once: a closed manager's bound methods raise too (Note [Manager life cycle]).
+        self._alloc, self._free, self._available_size = manager.alloc, manager.free, manager.available_size
         # held[b] == 1: block b is allocated in the manager. See Note [Held blocks].
         self._held = bytearray(num_gpu_blocks)
         self._held[self.null_block.block_id] = 1
-        self._num_unheld = num_gpu_blocks - 1
+        self._num_unheld_free = num_gpu_blocks - 1      # blocks in the free queue that are not held
         self._borrowed: set[int] = set()    # in use but not held: See Note [Claiming a block]
         self._count_every_free_block = False
         # Ids are dense: page p holds ids [p * per_page, (p + 1) * per_page) (the null block's page
@@ -170,13 +172,17 @@ class ElasticBlockPool(BlockPool):
     def get_num_free_blocks(self) -> int:
         """Free blocks that get_new_blocks can hand out now: the free ones this pool holds (cached
         ones included) plus what kvcached can allocate under its limit and budget.
-        See Note [Honest free count]. O(1)."""
+        See Note [Honest free count]. O(log pages): one available_size() while some free block
+        is not held (counters only, no driver call), else one attribute read as vLLM's pool."""
         num_free = self.free_block_queue.num_free_blocks
-        if self._count_every_free_block:
-            return num_free
-        borrowed = len(self._borrowed)
-        unheld = self._num_unheld - borrowed
-        return num_free - unheld + min(unheld, max(0, self.manager.available_size() - borrowed))
+        unheld = self._num_unheld_free
+        if unheld:
+            available = self._available_size()
+            if (available < unheld or self._borrowed) and not self._count_every_free_block:
+                # Ids of borrowed blocks are free in kvcached but kept for their borrowers.
+                share = available - len(self._borrowed)
+                return num_free - unheld + max(0, min(share, unheld))
+        return num_free
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset, with blocks in use counted from the free queue rather than from the
@@ -196,9 +202,11 @@ class ElasticBlockPool(BlockPool):
         is changed then."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
-        blocks = self._take_unheld(min(num_blocks, self._num_unheld - len(self._borrowed)))
-        if len(blocks) < num_blocks:
-            held = self._held_free_blocks(num_blocks - len(blocks))
+        unheld = self._num_unheld_free
+        blocks = self._take_unheld(min(num_blocks, unheld)) if unheld else []
+        num_fresh = len(blocks)         # fresh from kvcached: never cached (Note [Held blocks])
+        if num_fresh < num_blocks:
+            held = self._held_free_blocks(num_blocks - num_fresh)
             if held is None:            # kvcached's share shrank since the count: See Note [Honest free count]
                 self._give_back(blocks)
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool (its memory limit or "
@@ -208,48 +216,85 @@ class ElasticBlockPool(BlockPool):
             blocks += held
         if self._reuse_watchers:
             self._notify_reuse(blocks)
-        for block in blocks:
-            if self.enable_caching:
-                self._maybe_evict_cached_block(block)
-            assert block.ref_cnt == 0, f"block {block.block_id} handed out with ref_cnt {block.ref_cnt}"
-            block.ref_cnt = 1
-            if self.metrics_collector:
-                self.metrics_collector.on_block_allocated(block)
+        metrics = self.metrics_collector
+        if metrics or (self.enable_caching and num_fresh < num_blocks):
+            evict = self._maybe_evict_cached_block if self.enable_caching else None
+            for index, block in enumerate(blocks):
+                if evict is not None and (index >= num_fresh or metrics):
+                    evict(block)
+                assert block.ref_cnt == 0, f"block {block.block_id} handed out with ref_cnt {block.ref_cnt}"
+                block.ref_cnt = 1
+                if metrics:
+                    metrics.on_block_allocated(block)
+        else:
+            for block in blocks:
+                assert block.ref_cnt == 0, f"block {block.block_id} handed out with ref_cnt {block.ref_cnt}"
+                block.ref_cnt = 1
         return blocks
 
     def _take_unheld(self, n: int) -> list[KVCacheBlock]:
         """Up to n blocks allocated from kvcached, taken out of the free queue (fewer, possibly
         none, when its limit or budget stops it). A borrowed id kvcached hands out is kept for
         its borrower (Note [Claiming a block]) and replaced by another."""
-        blocks: list[KVCacheBlock] = []
-        while len(blocks) < n:
-            want = n - len(blocks)
-            ids = self.manager.alloc(want)
-            if ids is None:
-                want = min(want, self.manager.available_size())
-                ids = self.manager.alloc(want) if want > 0 else None
-                if ids is None:
-                    break
+        held, all_blocks, borrowed = self._held, self.blocks, self._borrowed
+        ids = self._alloc(n)
+        if ids is not None and not borrowed:         # the common case, in one call
             for block_id in ids:
-                self._held[block_id] = 1
-                self._num_unheld -= 1
-                if block_id in self._borrowed:
-                    self._borrowed.discard(block_id)
-                else:
-                    block = self.blocks[block_id]
-                    self.free_block_queue.remove(block)
-                    blocks.append(block)
-        return blocks
+                held[block_id] = 1
+            fresh = [all_blocks[i] for i in ids]
+            self._unlink(fresh)
+            return fresh
+        blocks: list[KVCacheBlock] = []
+        while True:
+            if ids is None:             # short of n: as many as kvcached can give now
+                want = min(n - len(blocks), self._available_size())
+                ids = self._alloc(want) if want > 0 else None
+                if ids is None:
+                    return blocks
+            for block_id in ids:
+                held[block_id] = 1
+            if borrowed:
+                taken = [all_blocks[i] for i in ids if i not in borrowed]
+                borrowed.difference_update(ids)
+            else:
+                taken = [all_blocks[i] for i in ids]
+            self._unlink(taken)
+            blocks += taken
+            if len(blocks) >= n:
+                return blocks
+            ids = self._alloc(n - len(blocks))
+
+    def _unlink(self, blocks: list[KVCacheBlock]) -> None:
+        """Take free, unheld blocks out of vLLM's free queue: its remove(), inlined (this is the
+        allocation path; the queue is a linked list through the blocks' own fields)."""
+        for block in blocks:
+            prev_block, next_block = block.prev_free_block, block.next_free_block
+            if prev_block is None or next_block is None:
+                raise RuntimeError(f"block {block.block_id} is not in the free queue")
+            prev_block.next_free_block = next_block
+            next_block.prev_free_block = prev_block
+            block.prev_free_block = block.next_free_block = None
+        self.free_block_queue.num_free_blocks -= len(blocks)
+        self._num_unheld_free -= len(blocks)
 
     def touch(self, blocks) -> None:
         """vLLM's touch; a block that kvcached does not hold for this pool (a free, uncached
         block taken as a hit, as connectors and vLLM's tests do) is claimed from it."""
-        held = self._held
-        claim = {block.block_id: block for block in blocks
-                 if not block.is_null and block.ref_cnt == 0 and not held[block.block_id]}
-        super().touch(blocks)
+        held, queue, metrics = self._held, self.free_block_queue, self.metrics_collector
+        claim: list[int] = []
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                queue.remove(block)
+                if not held[block.block_id]:
+                    claim.append(block.block_id)
+            block.ref_cnt += 1
+            if metrics:
+                metrics.on_block_accessed(block)
         if claim:
-            self._claim(list(claim))
+            self._num_unheld_free -= len(claim)
+            self._claim(claim)
 
     def _claim(self, block_ids: list[int]) -> None:
         """Make kvcached hold these ids (free in it, in use here). See Note [Claiming a block]."""
@@ -266,7 +311,6 @@ class ElasticBlockPool(BlockPool):
                     wanted.discard(block_id)
                     self._borrowed.discard(block_id)
                     self._held[block_id] = 1
-                    self._num_unheld -= 1
                 else:
                     others.append(block_id)
             batch *= 2
@@ -278,7 +322,7 @@ class ElasticBlockPool(BlockPool):
     def _held_free_blocks(self, n: int) -> list[KVCacheBlock] | None:
         """The first n held blocks of the free queue (still in it), or None if there are fewer."""
         found: list[KVCacheBlock] = []
-        if n > self.free_block_queue.num_free_blocks - (self._num_unheld - len(self._borrowed)):
+        if n > self.free_block_queue.num_free_blocks - self._num_unheld_free:
             return None
         held = self._held
         for block in self.free_block_queue.iter_blocks_after(None):
@@ -295,7 +339,7 @@ class ElasticBlockPool(BlockPool):
         self.manager.free([block.block_id for block in reversed(blocks)])
         for block in blocks:
             self._held[block.block_id] = 0
-        self._num_unheld += len(blocks)
+        self._num_unheld_free += len(blocks)
         self.free_block_queue.prepend_n(blocks)
 
     # -- freeing ---------------------------------------------------------------------------------
@@ -303,32 +347,59 @@ class ElasticBlockPool(BlockPool):
         """vLLM's free, then the blocks that became free and hold no prefix-cache entry go back
         to kvcached (their pages unmap as they empty); under a deferred limit, free pages of
         cached blocks go back too. See Note [Held blocks]."""
-        blocks = list(ordered_blocks)
-        super().free_blocks(blocks)
-        held = self._held
-        released = []
-        for block in blocks:
-            block_id = block.block_id
-            if block_id in self._borrowed and block.ref_cnt == 0:
-                self._forget_borrowed(block)
-            elif (block.ref_cnt == 0 and block.pool is self and not block.is_null and held[block_id]
-                    and block.block_hash is None and block_id not in self.cached_block_hashes_by_block):
-                held[block_id] = 0
-                released.append(block_id)
+        # vLLM's free_blocks, inlined, with the blocks to give back picked in the same pass.
+        evict_first: list[KVCacheBlock] = []
+        evict_last: list[KVCacheBlock] = []
+        released: list[int] = []
+        other_pools: dict[BlockPool, list[KVCacheBlock]] = {}
+        held, caching = self._held, self.enable_caching
+        cached_by_block = self.cached_block_hashes_by_block or None     # hashes beyond a block's own
+        for block in ordered_blocks:
+            if block.is_null:           # never pooled; its ref_cnt is not maintained
+                continue
+            pool = block.pool
+            if pool is not self and pool is not None:
+                other_pools.setdefault(pool, []).append(block)
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            if block._block_hash is None:
+                evict_first.append(block)
+                block_id = block.block_id
+                # Borrowed blocks are not held: See Note [Claiming a block].
+                if (pool is self and held[block_id]
+                        and (cached_by_block is None or block_id not in cached_by_block)):
+                    held[block_id] = 0
+                    released.append(block_id)
+            elif caching:
+                evict_last.append(block)
+            else:
+                evict_first.append(block)
+        queue = self.free_block_queue
+        queue.prepend_n(evict_first)
+        queue.append_n(evict_last)
+        for pool, pool_blocks in other_pools.items():
+            pool.free_blocks(pool_blocks)
+        if self._borrowed:
+            for block in evict_first + evict_last:
+                if block.block_id in self._borrowed:
+                    self._forget_borrowed(block)
         if released:
             released.reverse()          # kvcached hands out the last freed id first
-            self.manager.free(released)
-            self._num_unheld += len(released)
-        if not self.keep_idle_cached_pages:
-            self._release_idle_pages(blocks)
+            self._free(released)
+            self._num_unheld_free += len(released)
+        # With no held free block (no cache, nothing unpinned) no page can be idle.
+        if not self.keep_idle_cached_pages and queue.num_free_blocks > self._num_unheld_free:
+            self._release_idle_pages(evict_first + evict_last)
         self._follow_limit()
 
     def _release_idle_pages(self, blocks: list[KVCacheBlock]) -> None:
-        """Give back the pages of these blocks that hold no block in use any more (only free
+        """Give back the pages of these free blocks that hold no block in use any more (only free
         cached ones): See Note [Held blocks]. O(blocks on those pages)."""
         per_page, held = self._blocks_per_page, self._held
         null_page = self.null_block.block_id // per_page
-        pages = {block.block_id // per_page for block in blocks if block.ref_cnt == 0 and block.pool is self}
+        pages = {block.block_id // per_page for block in blocks if block.pool is self}
         pages.discard(null_page)
         for page in pages:
             idle: list[KVCacheBlock] = []
@@ -344,6 +415,7 @@ class ElasticBlockPool(BlockPool):
         """A borrowed block became free: it is a plain free block again (kvcached never gave it
         to us); a cache entry made meanwhile is dropped, as its data was never backed."""
         self._borrowed.discard(block.block_id)
+        self._num_unheld_free += 1
         if block.block_hash is not None or block.block_id in self.cached_block_hashes_by_block:
             self._maybe_evict_cached_block(block)
 
@@ -382,7 +454,7 @@ class ElasticBlockPool(BlockPool):
         # Uncached free blocks sit in front of the held ones in vLLM's queue: move them there.
         self.free_block_queue.prepend_n(blocks)
         self.manager.free([block.block_id for block in reversed(blocks)])
-        self._num_unheld += len(blocks)
+        self._num_unheld_free += len(blocks)
 
     def _follow_limit(self) -> None:
         """While the manager's limit is deferred, give back free pages: looked at every
@@ -403,7 +475,7 @@ class ElasticBlockPool(BlockPool):
         free = set(free_ids)
         assert len(free) == len(free_ids) == self.free_block_queue.num_free_blocks, "free queue count or duplicates"
         assert self.null_block.block_id not in free and self._held[self.null_block.block_id], "null block"
-        num_held = 0
+        num_held = num_unheld_free = 0
         for block in self.blocks:
             block_id = block.block_id
             held = self._held[block_id]
@@ -416,7 +488,8 @@ class ElasticBlockPool(BlockPool):
                 assert not held and block.ref_cnt > 0, f"borrowed block {block_id} held or free"
             elif not held:
                 assert block.ref_cnt == 0 and block.block_hash is None, f"unheld block {block_id} in use or cached"
-        assert num_held + self._num_unheld == self.num_gpu_blocks, "held count"
+                num_unheld_free += 1
+        assert num_unheld_free == self._num_unheld_free, "count of free blocks not held"
         assert self.manager.stats()["allocated"] == num_held, "manager and pool disagree on held blocks"
         held_by_page: dict[int, int] = {}
         for block_id in range(self.num_gpu_blocks):
@@ -466,10 +539,19 @@ class ElasticBlockPool(BlockPool):
 # vLLM admits a request when get_num_free_blocks() covers it and then calls get_new_blocks
 # without catching its ValueError. The count is the held free blocks plus what kvcached can
 # allocate now (available_size: limit, global budget and reserved pool included), so allocating
-# exactly that many succeeds. A limit lowered by another thread (the tracker's watcher applying
-# kvctl's limit) or another instance taking shared budget between the check and the allocation
-# can still shrink kvcached's share; get_new_blocks then falls back on held free blocks, and only
-# if those do not cover the shortfall does it raise, having given back what it took.
+# exactly that many succeeds. It is asked afresh on every call (~50 a step, one per running
+# request): kvcached's share can shrink without this pool doing anything (a limit applied by the
+# tracker's watcher thread, budget taken by another process, device memory taken by another
+# process as of the allocator's last look), and a count kept from an earlier call would turn
+# such a shrink into vLLM's uncaught ValueError. A shrink between vLLM's count and its
+# get_new_blocks is the one window left: get_new_blocks counts again first and raises, with
+# nothing changed, when the fresh count does not cover the request (vLLM's own pool raises
+# there too); a shrink inside get_new_blocks, after that count, is covered from held free
+# (cached) blocks, and only if those fall short does it raise, having given back what it took.
+# Only new pages are refused: blocks in pages already mapped and the reserved pool stay
+# allocatable under a lowered limit or a taken budget, so the window matters only when the
+# allocation needs pages the shrink took away. Closing it needs kvcached to keep what it
+# promised (a reservation per count), which the manager does not offer.
 #
 # Note [Pool geometry]
 # vLLM builds its BlockPool from num_gpu_blocks alone, in the scheduler, after the worker made
