@@ -262,12 +262,44 @@ def unmap_fault(cfg: dict, workdir: str) -> dict:
     return {}
 
 
+def instance(cfg: dict, workdir: str) -> dict:
+    """The tracker's segment and the global budget see one instance of every rank's memory: a
+    budget of 3 page ids on every rank lets exactly 3 be mapped (pool 0)."""
+    from kvcached.budget import delete_budget, read_budget
+    from kvcached.mem_info_tracker import read_segment
+
+    world = dist.get_world_size()
+    instance_page = PAGE_ID_BYTES * world
+    m = manager()
+    name, budget = m.ipc_name, os.environ["KVCACHED_GLOBAL_BUDGET"]
+    assert name is not None
+    seen = read_segment(name)
+    assert (seen.page_size_bytes, seen.capacity_bytes) == (instance_page, m.num_pages * instance_page), seen
+    held = []
+    while (ids := alloc_pages(m, 1)) is not None:
+        held.append(ids)
+    assert len(held) == 3 and m.available_size() == 0, (len(held), m.available_size())
+    assert len(assert_same_everywhere()) == 3
+    assert read_budget(budget).held_bytes == 3 * instance_page
+    deadline = time.monotonic() + WAIT_S              # the publisher writes every 10 ms
+    while read_segment(name).used_bytes != 3 * instance_page:
+        assert time.monotonic() < deadline, read_segment(name)
+        time.sleep(0.01)
+    for ids in held:
+        m.free(ids)
+    m.trim()
+    assert read_budget(budget).held_bytes == 0 and assert_same_everywhere() == []
+    m.close()
+    delete_budget(budget)
+    return {}
+
+
 def mismatch(cfg: dict, workdir: str) -> dict:
     """Set up by main(): rank 1 made other tensors, so rank 0's alloc_kv_cache refused."""
     return {}
 
 
-SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, mismatch)}
+SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, instance, mismatch)}
 
 
 # -- every rank --------------------------------------------------------------------------------

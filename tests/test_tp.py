@@ -103,6 +103,14 @@ def test_tp2_follower_retries_a_failed_unmap(tmp_path):
         ranks.wait()
 
 
+def test_tp2_tracker_and_budget_count_every_rank(tmp_path):
+    tag = f"{os.getpid()}-{tmp_path.name}"[-40:]
+    with Ranks(tmp_path, "instance", 2, LAYOUT="interleaved", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0,
+               TRACKER=1, IPC_NAME=f"tp-{tag}", GLOBAL_BUDGET=f"tp-budget-{tag}",
+               GLOBAL_BUDGET_BYTES=3 * 2 * 4 * (16 << 10)) as ranks:     # 3 page ids x 2 ranks
+        ranks.wait()
+
+
 def test_tp2_geometry_mismatch_names_the_rank(tmp_path):
     with Ranks(tmp_path, "mismatch", 2, LAYOUT="interleaved", TP_TIMEOUT_S=30) as ranks:
         assert "rank 1" in ranks.wait()["error"]
