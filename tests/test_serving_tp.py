@@ -53,6 +53,11 @@ RUN_TIMEOUT_S = 600.0           # spawning 4 interpreters that import torch on a
 GROUP_TIMEOUT_S = 300.0
 
 
+# The ranks fork from one server that has imported torch, transformers and this module once
+# (a spawned rank spends most of its 20 s importing them on a loaded 2-core machine).
+mp.get_context("forkserver").set_forkserver_preload(["torch", "transformers", "kvcached.serving", __name__])
+
+
 def tp_workload(seed: int) -> list[tuple[int, list[int], int]]:
     """6 requests of 1-29 prompt tokens and 24 new ones, arriving over 12 steps."""
     return [(at, prompt, 24) for at, prompt, _ in workload(seed, count=6, longest=30)]
@@ -143,8 +148,8 @@ def _lead(model, cache, scenario: Scenario) -> dict:
 def run_tp(tmp_path: Path, world_size: int, scenario: Scenario) -> list[dict]:
     """Spawn `world_size` ranks running `scenario`; the per-rank reports. A rank that raises
     fails the test with its traceback; ranks still running after RUN_TIMEOUT_S are killed."""
-    context = mp.spawn(_rank, args=(world_size, str(tmp_path / "store"), str(tmp_path), scenario),
-                       nprocs=world_size, join=False)
+    context = mp.start_processes(_rank, args=(world_size, str(tmp_path / "store"), str(tmp_path), scenario),
+                                 nprocs=world_size, join=False, start_method="forkserver")
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not context.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
