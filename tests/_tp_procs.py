@@ -121,9 +121,34 @@ def basic(cfg: dict, workdir: str) -> dict:
     limit = m.set_memory_limit(PAGE_ID_BYTES * world, revision=1)
     assert limit["status"] == "applied" and limit["mapped_bytes"] <= PAGE_ID_BYTES * world, limit
     assert len(assert_same_everywhere()) <= 1
+    forked_child_touches_nothing(m)
     m.close()
     assert assert_same_everywhere() == []
     return {"rounds": leader().num_rounds}
+
+
+def forked_child_touches_nothing(m: KVCacheManager) -> None:
+    """A child forked from rank 0 refuses the manager, and its shutdown and exit send nothing to
+    the peers: the instance goes on as before."""
+    from kvcached.errors import KVCachedClosedError
+
+    held = m.alloc(16)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                m.alloc(1)
+            except KVCachedClosedError:
+                shutdown_kvcached()
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert assert_same_everywhere()                   # the peers still answer, in step
+    m.free(held)
+    m.check_invariants()
 
 
 def oom(cfg: dict, workdir: str) -> dict:
