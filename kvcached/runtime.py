@@ -472,7 +472,10 @@ def shutdown_kvcached() -> None:
     their address ranges stay reserved until the last of them is dropped. Every manager is
     closed: its methods raise KVCachedClosedError. In a forked child it only forgets what the
     child inherited, touching nothing of the parent; init_kvcached may follow in both cases.
-    Each step runs even if one before it failed; the first error is raised at the end."""
+    Under tensor parallelism rank 0 then tells the other ranks to unmap everything and stop, and
+    a rank > 0 first waits (KVCACHED_TP_TIMEOUT_S) for that (Note [Tensor-parallel runtime]).
+    Each step runs even if one before it failed; the first error is raised at the end
+    (KVCachedTPError on rank 0 if a peer died)."""
     global _runtime
     with _lock:
         if _runtime is None:
