@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serving import serve, serving_model, workload
 
@@ -63,11 +63,12 @@ def tp_workload(seed: int) -> list[tuple[int, list[int], int]]:
     return [(at, prompt, 24) for at, prompt, _ in workload(seed, count=6, longest=30)]
 
 
-def tp1_tokens(family: str, requests) -> tuple[dict[int, list[int]], int]:
+def tp1_tokens(family: str, requests, *, num_blocks: int = NUM_BLOCKS, block_size: int = BLOCK_SIZE,
+               max_batch_tokens: int = MAX_BATCH_TOKENS) -> tuple[dict[int, list[int]], int]:
     """(tokens, preemptions) of the same workload through ServingLoop at TP = 1."""
     model = serving_model(family)
-    loop = ServingLoop(model, StaticKVCache(model.config, NUM_BLOCKS, block_size=BLOCK_SIZE),
-                       max_batch_tokens=MAX_BATCH_TOKENS)
+    loop = ServingLoop(model, StaticKVCache(model.config, num_blocks, block_size=block_size),
+                       max_batch_tokens=max_batch_tokens)
     return serve(loop, requests), loop.stats.preemptions
 
 
@@ -81,7 +82,10 @@ class Scenario:
     device_type: str = "cpu"
     elastic: bool = False               # kvcached's cache (init_kvcached on every rank) instead of a static one
     limit_pages_at: tuple[int, int] | None = None   # (step, pages): rank 0 lowers the memory limit then
-                                                    # (the cache gets ELASTIC_BLOCKS), else NUM_BLOCKS
+                                                    # (the cache gets ELASTIC_BLOCKS), else num_blocks
+    num_blocks: int = NUM_BLOCKS
+    block_size: int = BLOCK_SIZE
+    max_batch_tokens: int = MAX_BATCH_TOKENS
     fail_at_step: int | None = None     # rank 0 raises inside the loop's with block at this step
 
 
@@ -106,10 +110,10 @@ def _rank(rank: int, world_size: int, store: str, out: str, scenario: Scenario) 
             reload_settings()
             init_kvcached(tp_rank=rank, world_size=world_size, device=str(device),
                           page_size_bytes=PAGE_BYTES if device.type == "cpu" else None)
-            num_blocks = ELASTIC_BLOCKS if scenario.limit_pages_at else NUM_BLOCKS
-            cache = ElasticKVCache(config, num_blocks, block_size=BLOCK_SIZE, device=device)
+            num_blocks = ELASTIC_BLOCKS if scenario.limit_pages_at else scenario.num_blocks
+            cache = ElasticKVCache(config, num_blocks, block_size=scenario.block_size, device=device)
         else:
-            cache = StaticKVCache(config, NUM_BLOCKS, block_size=BLOCK_SIZE, device=device)
+            cache = StaticKVCache(config, scenario.num_blocks, block_size=scenario.block_size, device=device)
         if rank == 0:
             report = _lead(model, cache, scenario)
         else:
@@ -133,7 +137,7 @@ def _lead(model, cache, scenario: Scenario) -> dict:
             cache.manager.set_memory_limit(limit[0], revision=1)
 
     try:
-        with TensorParallelLoop(model, cache, max_batch_tokens=MAX_BATCH_TOKENS) as loop:
+        with TensorParallelLoop(model, cache, max_batch_tokens=scenario.max_batch_tokens) as loop:
             results = serve(loop, scenario.requests, during=during)
     except LeaderFailure as exc:
         return {"raised": str(exc), "steps": loop.steps_sent}
@@ -178,6 +182,22 @@ def test_tp2_matches_tp1(tmp_path, family):
     """Two ranks (Qwen2: biased q/k/v; Mistral and Qwen2: a sliding window): TP = 1's tokens."""
     requests = tp_workload(seed=40 + len(family))
     check_against_tp1(family, requests, run_tp(tmp_path, 2, Scenario(family, requests)))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 1 << 16), world_size=st.sampled_from([2, 4]), family=st.sampled_from(["llama", "qwen2"]),
+       max_batch_tokens=st.integers(1, 48), block_size=st.sampled_from([1, 3, 4, 16]), num_blocks=st.integers(24, 64))
+def test_random_budgets_match_tp1(tmp_path_factory, seed, world_size, family, max_batch_tokens, block_size,
+                                  num_blocks):
+    """Any token budget, block size and cache size at TP = 2 or 4: TP = 1's tokens, and every
+    worker ran every step."""
+    requests = workload(seed, count=5, longest=20, max_new=12)
+    num_blocks = max(num_blocks, -(-(20 + 12) // block_size))
+    shape = {"num_blocks": num_blocks, "block_size": block_size, "max_batch_tokens": max_batch_tokens}
+    reports = run_tp(tmp_path_factory.mktemp("tp"), world_size, Scenario(family, requests, **shape))
+    assert reports[0]["results"] == tp1_tokens(family, requests, **shape)[0]
+    assert reports[0]["free_blocks"] == num_blocks
+    assert all(report["steps"] == reports[0]["steps"] for report in reports[1:])
 
 
 def test_tp4_matches_tp1_with_replicated_kv_heads(tmp_path):
