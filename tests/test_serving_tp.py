@@ -177,6 +177,7 @@ def check_against_tp1(family: str, requests, reports: list[dict]) -> None:
 
 # -- TP = 2 and 4 against TP = 1 ----------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 def test_tp2_matches_tp1(tmp_path, family):
     """Two ranks (Qwen2: biased q/k/v; Mistral and Qwen2: a sliding window): TP = 1's tokens."""
@@ -184,6 +185,7 @@ def test_tp2_matches_tp1(tmp_path, family):
     check_against_tp1(family, requests, run_tp(tmp_path, 2, Scenario(family, requests)))
 
 
+@pytest.mark.slow
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 1 << 16), world_size=st.sampled_from([2, 4]), family=st.sampled_from(["llama", "qwen2"]),
        max_batch_tokens=st.integers(1, 48), block_size=st.sampled_from([1, 3, 4, 16]), num_blocks=st.integers(24, 64))
@@ -200,6 +202,7 @@ def test_random_budgets_match_tp1(tmp_path_factory, seed, world_size, family, ma
     assert all(report["steps"] == reports[0]["steps"] for report in reports[1:])
 
 
+@pytest.mark.slow
 def test_tp4_matches_tp1_with_replicated_kv_heads(tmp_path):
     """Four ranks over a model of 2 KV heads: each rank keeps one query head and one KV head,
     each KV head on two ranks."""
@@ -208,6 +211,7 @@ def test_tp4_matches_tp1_with_replicated_kv_heads(tmp_path):
     check_against_tp1("llama", requests, run_tp(tmp_path, 4, Scenario("llama", requests)))
 
 
+@pytest.mark.slow
 def test_tp2_over_elastic_kvcached_matches_tp1(tmp_path):
     """kvcached's TP mode: rank 0's manager maps every block on both ranks; at step 6 the limit
     drops to one page id (16 blocks on each rank), requests are preempted and recomputed, and the tokens are
@@ -221,6 +225,7 @@ def test_tp2_over_elastic_kvcached_matches_tp1(tmp_path):
     assert reports[1]["steps"] == leader["steps"]
 
 
+@pytest.mark.slow
 def test_leader_failing_between_steps_stops_the_workers(tmp_path):
     """An exception in rank 0's loop between steps (here a client callback) leaves the with
     block, whose close() tells the workers to return: they end after the steps they were sent."""
@@ -322,6 +327,7 @@ def test_unsplit_or_mismatched_models_are_refused(single_rank_group):
 
 # -- the benchmark's quick run -----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_serve_tp_quick_runs():
     """Two CPU ranks over kvcached's TP mode through the launcher; it exits 1 when float32 tokens
     differ from TP = 1's."""
