@@ -95,7 +95,7 @@ class Follower:
         try:
             self._serve_loop()
         except Exception as exc:                 # the scheduling rank is gone: nothing to answer
-            self.error = exc
+            self.error = exc.with_traceback(None)   # no frame (and its gloo work) outlives the thread
             with self._cond:
                 if not self._closed:
                     logger.error("tensor-parallel rank %d: lost the scheduling rank (%s); its pages stay mapped "
