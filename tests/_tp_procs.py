@@ -319,12 +319,21 @@ def instance(cfg: dict, workdir: str) -> dict:
     return {}
 
 
+def leader_killed(cfg: dict, workdir: str) -> dict:
+    """Rank 0 maps a page, then waits to be killed by the test (rank 1's side is in main())."""
+    m = manager()
+    assert alloc_pages(m, 1) is not None
+    touch(os.path.join(workdir, "ready"))
+    wait_for_file(os.path.join(workdir, "never"))
+    return {}
+
+
 def mismatch(cfg: dict, workdir: str) -> dict:
     """Set up by main(): rank 1 made other tensors, so rank 0's alloc_kv_cache refused."""
     return {}
 
 
-SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, instance, mismatch)}
+SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, instance, leader_killed, mismatch)}
 
 
 # -- every rank --------------------------------------------------------------------------------
@@ -364,8 +373,14 @@ def main() -> None:
         else:
             raise AssertionError(f"a KVCacheManager on rank {rank} did not raise")
         assert kv_runtime.wait_for_scheduler(WAIT_S), "rank 0 did not shut down"
-        assert kv_runtime.runtime().groups[0].page_table.mapped_page_ids() == []
+        follower, mapped = kv_runtime.runtime().tp, kv_runtime.runtime().groups[0].page_table.mapped_page_ids()
+        if scenario == "leader_killed":               # serving ended with the lost connection
+            assert follower.error is not None and len(mapped) == 1, (follower.error, mapped)
+        else:
+            assert follower.error is None and mapped == [], (follower.error, mapped)
         shutdown_kvcached()
+        if scenario == "leader_killed":
+            touch(os.path.join(workdir, f"rank{rank}.done"))
     else:
         random.seed(0)
         if result is None:

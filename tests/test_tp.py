@@ -137,6 +137,18 @@ def test_tp2_dead_rank_raises_within_the_timeout(tmp_path, how):
     assert result["elapsed_s"] < timeout_s + 60 and result["later_s"] < 60, result
 
 
+def test_tp2_follower_outlives_a_killed_scheduling_rank(tmp_path):
+    """Rank 0 SIGKILLed: rank 1's service ends with the lost connection at once (no timeout to
+    wait), and its shutdown and exit are clean."""
+    with Ranks(tmp_path, "leader_killed", 2, LAYOUT="interleaved", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0,
+               TP_TIMEOUT_S=600) as ranks:
+        wait_for_file(os.path.join(ranks.workdir, "ready"), RUN_S)
+        os.kill(ranks.procs[0].pid, signal.SIGKILL)
+        out, _ = ranks.procs[1].communicate(timeout=RUN_S)
+        assert ranks.procs[1].returncode == 0, out
+        assert os.path.exists(os.path.join(ranks.workdir, "rank1.done")), out
+
+
 def test_tp4(tmp_path):
     """Four ranks; rank 3 runs out of memory first."""
     with Ranks(tmp_path, "oom", 4, {"small_rank": 3, "small_pages": 2}, LAYOUT="interleaved",
