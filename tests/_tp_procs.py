@@ -319,6 +319,24 @@ def instance(cfg: dict, workdir: str) -> dict:
     return {}
 
 
+def batched(cfg: dict, workdir: str) -> dict:
+    """A refill round of the pool (4 pages) is one message; so is a trim of it."""
+    me = threading.get_ident()
+    before = leader().num_rounds
+    m = manager()
+    deadline = time.monotonic() + WAIT_S
+    while m.stats()["pages"]["reserved"] < 4:
+        assert time.monotonic() < deadline, m.stats()["pages"]
+        time.sleep(0.01)
+    assert leader().num_rounds - before == 1, leader().num_rounds - before     # the refill thread's one round
+    mine = leader().rounds_by_thread[me]
+    m.trim()
+    assert leader().rounds_by_thread[me] - mine == 1
+    assert assert_same_everywhere() == []
+    m.close()
+    return {}
+
+
 def leader_killed(cfg: dict, workdir: str) -> dict:
     """Rank 0 maps a page, then waits to be killed by the test (rank 1's side is in main())."""
     m = manager()
@@ -333,7 +351,7 @@ def mismatch(cfg: dict, workdir: str) -> dict:
     return {}
 
 
-SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, instance, leader_killed, mismatch)}
+SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, instance, batched, leader_killed, mismatch)}
 
 
 # -- every rank --------------------------------------------------------------------------------

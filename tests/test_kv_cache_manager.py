@@ -488,8 +488,11 @@ def test_constructor_validation(kv_env):
                       ("num_kv_buffers", 0), ("group_id", -1), ("group_id", "a")]:
         with pytest.raises(KVCachedConfigError, match=name):
             KVCacheManager(**{**good, name: bad})
-    with pytest.raises(KVCachedConfigError, match="world_size=2"):
+    with pytest.raises(KVCachedConfigError, match="world_size=2: kvcached was initialised with world_size=1"):
         KVCacheManager(**good, world_size=2)
+    m = KVCacheManager(**good, world_size=1)
+    assert (m.world_size, m.page_bytes) == (1, m._group.page_table.page_bytes)   # one rank: its own bytes
+    m.close()
     with pytest.raises(KVCachedConfigError, match="num_layers, num_kv_buffers, block_bytes"):
         KVCacheManager(**{**good, "num_layers": 3})
     with pytest.raises(KVCachedConfigError, match="block_bytes"):

@@ -87,6 +87,11 @@ def test_tp2_out_of_memory_on_one_rank_rolls_back_both(tmp_path, small_rank):
         assert ranks.wait()["pages"] == 3
 
 
+def test_tp2_pool_refill_and_trim_are_one_message_each(tmp_path):
+    with Ranks(tmp_path, "batched", 2, LAYOUT="per_layer", MIN_RESERVED_PAGES=4, MAX_RESERVED_PAGES=4) as ranks:
+        ranks.wait()
+
+
 def test_tp2_model_based(tmp_path):
     """Random sequences, the pool on and a rank that runs out of memory (so the refill thread's
     rounds and callers' maps both roll back), checked against every rank after each step."""
