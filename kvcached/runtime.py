@@ -207,7 +207,8 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
                     backend.kind, page_bytes, tp_rank, world_size)
 
 
-def _start_tp(tp_rank: int, world_size: int, tp_group, backend: Backend, page_bytes: int, timeout_s: float):
+def _start_tp(tp_rank: int, world_size: int, tp_group, backend: Backend, page_bytes: int,
+              timeout_s: float) -> Leader | Follower:
     """Rank 0: a Leader that has checked every peer's page size; other ranks: a running Follower."""
     from .tp import Follower, Leader, open_channel
 
