@@ -1,6 +1,7 @@
 """vLLM's Scheduler over vLLM's own BlockPool and over kvcached's ElasticBlockPool, on a CPU.
 
-    python benchmarks/bench_vllm_scheduler.py [--steps N] [--rounds R] [--num-blocks B] [--json PATH] [--quick]
+    python benchmarks/bench_vllm_scheduler.py [--steps N] [--rounds R] [--num-blocks B] [--no-lockstep]
+                                              [--json PATH] [--quick]
 
 Needs vLLM 0.33 (the venv that .ci/vllm builds). No model runs: after each ``schedule()`` the
 benchmark hands ``update_from_output()`` a ModelRunnerOutput with one sampled token for every
@@ -9,7 +10,9 @@ and finish. The request stream is seeded and identical for both pools: arrivals 
 stop (the last 40 % of the steps drain), prompts share one of a few system prompts (prefix
 caching on by default) and have a random suffix, outputs have random lengths.
 
-Measured, rounds interleaved (stock, kvcached, stock, ...), each on a fresh Scheduler:
+Measured over R rounds, each on a fresh Scheduler per pool; within a round the two pools run in
+lockstep, step i of one then step i of the other (the first pool alternating between rounds), so
+load from other processes falls on both alike (--no-lockstep: one pool's pass, then the other's):
   time per step       schedule() and update_from_output(), µs, median and p90 over the steps
                       of all rounds, and over each step's best round (the steps are the same in
                       every round); ratio kvcached / stock (the goal: within 5 %)
@@ -87,7 +90,11 @@ def make_config(model_dir: Path, num_blocks: int, max_num_seqs: int, max_num_bat
     import torch
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
 
     model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
                                max_model_len=4096)
@@ -129,47 +136,58 @@ class RoundResult:
     stock_bytes: int            # what vLLM's pool holds all along: num_gpu_blocks x block bytes
 
 
-def run_round(pool: str, configs, arrivals: list[Arrival], steps: int, sample_memory: bool = False) -> RoundResult:
-    """One pass of the stream through a fresh Scheduler whose pool is vLLM's or ours; with
-    sample_memory, the pool's occupancy and mapped memory after every step (a separate pass:
-    reading kvcached's page counters between the timed calls would disturb them)."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-    from vllm.v1.structured_output import StructuredOutputManager
+class SchedulerRun:
+    """One pass of the stream through a fresh Scheduler whose pool is vLLM's or ours, one engine
+    step per step() call, so that two runs can go in lockstep; with sample_memory, the pool's
+    occupancy and mapped memory after every step (for a separate pass: reading kvcached's page
+    counters between the timed calls would disturb them)."""
 
-    from kvcached.integration import vllm as kvcached_vllm
+    def __init__(self, pool: str, configs, arrivals: list[Arrival], steps: int, sample_memory: bool = False):
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
 
-    vllm_config, kv_cache_config = configs
-    if pool == "kvcached":
-        kvcached_vllm.set_pool_geometry(kvcached_vllm.PoolGeometry(
-            block_size=BLOCK_SIZE, cell_size=HEADS * HEAD_DIM * DTYPE_BYTES, num_layers=NUM_LAYERS))
-        kvcached_vllm.enable(worker=False)
-    try:
-        scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                              structured_output_manager=StructuredOutputManager(vllm_config),
-                              block_size=BLOCK_SIZE, log_stats=False)
-    finally:
-        kvcached_vllm.disable()
-        kvcached_vllm.set_pool_geometry(None)
-    block_pool = scheduler.kv_cache_manager.block_pool
-    manager = getattr(block_pool, "manager", None)
-    assert (manager is not None) == (pool == "kvcached"), f"{pool} round built {type(block_pool).__name__}"
-    num_blocks = kv_cache_config.num_blocks
-    hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        from kvcached.integration import vllm as kvcached_vllm
 
-    result = RoundResult(pool, [], [], [], [], [], 0, 0, num_blocks * BLOCK_BYTES)
-    pending = iter(enumerate(arrivals))
-    index, upcoming = next(pending, (None, None))
-    gc.collect()
-    for step in range(steps):
-        while upcoming is not None and upcoming.step <= step:
+        vllm_config, kv_cache_config = configs
+        if pool == "kvcached":
+            kvcached_vllm.set_pool_geometry(kvcached_vllm.PoolGeometry(
+                block_size=BLOCK_SIZE, cell_size=HEADS * HEAD_DIM * DTYPE_BYTES, num_layers=NUM_LAYERS))
+            kvcached_vllm.enable(worker=False)
+        try:
+            self.scheduler = Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                                       structured_output_manager=StructuredOutputManager(vllm_config),
+                                       block_size=BLOCK_SIZE, log_stats=False)
+        finally:
+            kvcached_vllm.disable()
+            kvcached_vllm.set_pool_geometry(None)
+        self.block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.manager = getattr(self.block_pool, "manager", None)
+        assert (self.manager is not None) == (pool == "kvcached"), \
+            f"{pool} round built {type(self.block_pool).__name__}"
+        self.num_blocks = kv_cache_config.num_blocks
+        self.hasher = get_request_block_hasher(BLOCK_SIZE, sha256)
+        self.result = RoundResult(pool, [], [], [], [], [], 0, 0, self.num_blocks * BLOCK_BYTES)
+        self.pending = iter(enumerate(arrivals))
+        self.upcoming = next(self.pending, (None, None))
+        self.steps, self.step_index, self.sample_memory = steps, 0, sample_memory
+        self.done = False
+
+    def step(self) -> None:
+        """One engine step: admit this step's arrivals, then the timed schedule() and
+        update_from_output(). Sets done at the end of the stream (the pool is closed then)."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import Request
+
+        scheduler, result = self.scheduler, self.result
+        index, upcoming = self.upcoming
+        while upcoming is not None and upcoming.step <= self.step_index:
             params = SamplingParams(max_tokens=upcoming.max_tokens, ignore_eos=True)
-            scheduler.add_request(Request(str(index), list(upcoming.prompt), params, None, block_hasher=hasher))
-            index, upcoming = next(pending, (None, None))
+            scheduler.add_request(Request(str(index), list(upcoming.prompt), params, None, block_hasher=self.hasher))
+            index, upcoming = next(self.pending, (None, None))
+        self.upcoming = (index, upcoming)
         t0 = time.perf_counter_ns()
         output = scheduler.schedule()
         t1 = time.perf_counter_ns()
@@ -186,15 +204,37 @@ def run_round(pool: str, configs, arrivals: list[Arrival], steps: int, sample_me
         result.update_ns.append(t3 - t2)
         result.tokens += output.total_num_scheduled_tokens
         result.preemptions += len(output.preempted_req_ids or ())
-        if sample_memory:
+        if self.sample_memory:
             result.running.append(len(scheduler.running))
-            result.blocks_used.append(num_blocks - 1 - block_pool.get_num_free_blocks())
-            result.mapped.append(num_blocks * BLOCK_BYTES if manager is None else manager.get_mapped_memory_size())
-        if upcoming is None and not scheduler.has_requests():
-            break
-    if manager is not None:
-        block_pool.close()
-    return result
+            result.blocks_used.append(self.num_blocks - 1 - self.block_pool.get_num_free_blocks())
+            result.mapped.append(self.num_blocks * BLOCK_BYTES if self.manager is None
+                                 else self.manager.get_mapped_memory_size())
+        self.step_index += 1
+        if self.step_index >= self.steps or (upcoming is None and not scheduler.has_requests()):
+            self.done = True
+            if self.manager is not None:
+                self.block_pool.close()
+
+
+def run_round(pool: str, configs, arrivals: list[Arrival], steps: int, sample_memory: bool = False) -> RoundResult:
+    """One pool's pass of the stream by itself."""
+    run = SchedulerRun(pool, configs, arrivals, steps, sample_memory)
+    gc.collect()
+    while not run.done:
+        run.step()
+    return run.result
+
+
+def run_lockstep(first: str, second: str, configs, arrivals: list[Arrival], steps: int) -> list[RoundResult]:
+    """The two pools' passes in lockstep: step i of one, then step i of the other, so that both
+    see the same interference from the rest of the machine (the schedules are the same)."""
+    runs = [SchedulerRun(pool, configs, arrivals, steps) for pool in (first, second)]
+    gc.collect()
+    while not all(run.done for run in runs):
+        for run in runs:
+            if not run.done:
+                run.step()
+    return [run.result for run in runs]
 
 
 # -- report ---------------------------------------------------------------------------------------
@@ -240,7 +280,7 @@ def _gib(n: float) -> str:
 
 def print_report(timing: list[dict], memory: list[dict], ours: RoundResult, meta: dict) -> None:
     print(f"\nvLLM {meta['vllm']} Scheduler, {meta['steps_run']} steps, {meta['requests']} requests, "
-          f"{meta['rounds']} rounds per pool, prefix caching {meta['prefix_caching']}, "
+          f"{meta['rounds']} rounds per pool ({'in lockstep' if meta['lockstep'] else 'one pool after the other'}), prefix caching {meta['prefix_caching']}, "
           f"num_gpu_blocks {meta['num_blocks']} x {BLOCK_BYTES >> 20} MiB; "
           f"{meta['date']}, commit {meta['commit']}, {meta['machine']}, load average "
           f"{meta['load_average'][0]:.2f} before the timed rounds, {meta['load_average'][1]:.2f} after")
@@ -284,6 +324,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--quick", action="store_true", help="a short stream, one round (smoke test)")
+    parser.add_argument("--lockstep", action=argparse.BooleanOptionalAction, default=True,
+                        help="alternate the pools step by step within a round (default) rather than "
+                             "round by round: on a busy machine both then see the same interference")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.rounds, args.num_blocks = 200, 1, 2048
@@ -309,7 +352,10 @@ def main() -> None:
         results = []
         for r in range(args.rounds):
             order = ("stock", "kvcached") if r % 2 == 0 else ("kvcached", "stock")
-            results += [run_round(pool, configs, arrivals, args.steps) for pool in order]
+            if args.lockstep:
+                results += run_lockstep(*order, configs, arrivals, args.steps)
+            else:
+                results += [run_round(pool, configs, arrivals, args.steps) for pool in order]
         load_after = os.getloadavg()[0]
         ours = run_round("kvcached", configs, arrivals, args.steps, sample_memory=True)
     stock = next(r for r in results if r.pool == "stock")
@@ -317,7 +363,7 @@ def main() -> None:
                                                                      stock.preemptions) for r in results + [ours])
     meta = {"vllm": vllm.__version__, "prefix_caching": args.prefix_caching, "steps_run": len(stock.schedule_ns),
             "requests": len(arrivals),
-            "rounds": args.rounds, "num_blocks": args.num_blocks, "block_bytes": BLOCK_BYTES,
+            "rounds": args.rounds, "lockstep": args.lockstep, "num_blocks": args.num_blocks, "block_bytes": BLOCK_BYTES,
             "tokens": stock.tokens, "preemptions": stock.preemptions, "identical": identical,
             "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
