@@ -1,7 +1,7 @@
 """The package's import graph follows its layers: no cycle, no import pointing up.
 
-The layer order is STYLE.md's: cli -> runtime -> kv_cache_manager -> _core, with the shared-memory
-and utility modules below; ops, serving, integration and demo use only the public API. Parses the
+The layer order is STYLE.md's: cli -> runtime -> kv_cache_manager -> layout, tp -> _core, with
+the shared-memory and utility modules below; ops, serving, integration and demo use only the public API. Parses the
 sources (every import statement, those inside functions included), so it imports nothing.
 """
 
@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcached"
 LAYERS = (
     {"errors", "sizes", "checks", "config", "_shm", "_steps"},
     {"_core", "mem_info_tracker", "budget"},
-    {"layout"},
+    {"layout", "tp"},                               # tp: the page-table mirror of tensor parallelism
     {"kv_cache_manager"},
     {"runtime"},
     {""},                                           # the package: public API re-exports
