@@ -1,4 +1,4 @@
-"""Build the one Cython extension, kvcached._core, against cuda-bindings' cydriver.
+"""Build kvcached's Cython extensions (_vmm, _pagetable, _core) against cuda-bindings' cydriver.
 
 See Note [Which cuda.h] for how the header is chosen and why the pairing is checked here
 instead of failing deep inside the C++ compiler.
@@ -75,18 +75,27 @@ def find_cuda_include() -> str:
     )
 
 
+# The compiled core: three extension modules, each cimporting only the ones before it, each with
+# a .pxd contract and a .pyi stub (shipped as package data).
+CORE_MODULES = ("_vmm", "_pagetable", "_core")
+
+
 def extensions():
     from Cython.Build import cythonize
 
-    core = Extension(
-        "kvcached._core",
-        sources=["kvcached/_core.pyx"],
-        include_dirs=[find_cuda_include()],
-        language="c++",
-        extra_compile_args=["-O3", "-std=c++17", "-Wno-unused-function", "-Wno-deprecated-declarations"],
-    )
+    include_dirs = [find_cuda_include()]
+    modules = [
+        Extension(
+            f"kvcached.{name}",
+            sources=[f"kvcached/{name}.pyx"],
+            include_dirs=include_dirs,
+            language="c++",
+            extra_compile_args=["-O3", "-std=c++17", "-Wno-unused-function", "-Wno-deprecated-declarations"],
+        )
+        for name in CORE_MODULES
+    ]
     return cythonize(
-        [core],
+        modules,
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True, "embedsignature": True},
     )

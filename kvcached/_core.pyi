@@ -1,22 +1,32 @@
-"""Types of the Python-visible surface of kvcached._core (the Cython extension).
+"""Types of the Python-visible surface of kvcached._core (Cython): the page and block allocators.
 
 Only ``def`` methods, properties and ``readonly``/``public`` attributes are here: ``cdef`` methods
 are invisible to Python. Every class is a C extension type with its own fields (@disjoint_base:
 no class may inherit from two of them). Units: every ``*_bytes`` value, address and handle size is in bytes;
 addresses, handles, fences and streams are plain ints. Out of memory is a value (None or False),
 never an exception, except where a docstring says ``Raises OutOfDeviceMemory``.
-Keep in step with _core.pxd (C interface) and the .pxi sources (behaviour).
+Keep in step with _core.pxd (C interface) and the .pxi sources (behaviour). The names of the
+layers below are re-exported by _core at run time; their types live in _vmm.pyi and _pagetable.pyi.
 """
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, Protocol, SupportsIndex, TypedDict, overload
+from typing import Any, Literal, Protocol, SupportsIndex, TypedDict, overload
 
 import numpy as np
 from numpy.typing import NDArray
 from typing_extensions import Buffer, Self, TypeAlias, disjoint_base
 
-if TYPE_CHECKING:
-    import torch
+from kvcached._pagetable import PageTable as PageTable
+from kvcached._pagetable import _PageIds
+from kvcached._vmm import DEFAULT_HANDLE_CACHE_SIZE as DEFAULT_HANDLE_CACHE_SIZE
+from kvcached._vmm import Backend as Backend
+from kvcached._vmm import CudaBackend as CudaBackend
+from kvcached._vmm import HostBackend as HostBackend
+from kvcached._vmm import VirtualRange as VirtualRange
+from kvcached._vmm import _Lifecycle
+from kvcached._vmm import cuda_device_count as cuda_device_count
+from kvcached._vmm import cuda_unavailable_reason as cuda_unavailable_reason
+from kvcached._vmm import fork_generation as fork_generation
 
 # -- argument and result shapes (stub-only names) ------------------------------------------------
 
@@ -26,20 +36,6 @@ class _HasNumpy(Protocol):
 
 _Int32Buffer: TypeAlias = Buffer | _HasNumpy
 """Contiguous int32 storage: numpy array, array.array('i'), or a CPU torch tensor."""
-
-_PageIds: TypeAlias = Sequence[int] | NDArray[np.integer[Any]]
-"""Page ids: a list/tuple/range of int, or an integer numpy array."""
-
-class _BackendStats(TypedDict):
-    """Backend.stats(): kind, granularity (bytes), handle counters, physical and cached bytes."""
-    kind: Literal["cuda", "host"]
-    granularity: int
-    num_creates: int
-    num_releases: int
-    num_cache_hits: int
-    physical_bytes: int
-    cached_bytes: int
-    cached_handles: int
 
 class _PageAllocatorStats(TypedDict):
     """PageAllocator.stats(): page counts (in page ids), byte figures and cumulative counters."""
@@ -84,237 +80,6 @@ class _BlockAllocatorStats(TypedDict):
     num_frees: int
     num_failed_allocs: int
     pages: _PageAllocatorStats
-
-# -- module level --------------------------------------------------------------------------------
-
-DEFAULT_HANDLE_CACHE_SIZE: Final = 8
-"""Released physical handles a new backend keeps for reuse (see set_handle_cache_capacity)."""
-
-def cuda_unavailable_reason() -> str | None:
-    """None when the CUDA driver is usable and has a device, else why not (probed once, cached)."""
-
-def cuda_device_count() -> int:
-    """Number of CUDA devices; 0 when the driver is unavailable."""
-
-def fork_generation() -> int:
-    """Forks between this process and the one that loaded kvcached (0 there); objects made in an
-    earlier generation are unusable here (their ``lifecycle`` is "forked")."""
-
-_Lifecycle: TypeAlias = Literal["live", "closed", "forked"]
-
-# -- backends ------------------------------------------------------------------------------------
-
-@disjoint_base
-class Backend:
-    """One VMM backend: reserve ranges, create/map/unmap/release physical handles, fences."""
-
-    @property
-    def granularity(self) -> int:
-        """Bytes; sizes and addresses passed in must be multiples of it."""
-    @property
-    def kind(self) -> Literal["cuda", "host"]:
-        """Which backend this is."""
-    @property
-    def device_id(self) -> int:
-        """CUDA device ordinal; -1 for the host backend."""
-    @property
-    def cache_capacity(self) -> int:
-        """Most released handles kept for reuse (handles, not bytes)."""
-    @property
-    def cached_bytes(self) -> int:
-        """Bytes held by cached (released but not yet freed) handles."""
-    @property
-    def physical_bytes(self) -> int:
-        """Bytes created and not released, cached handles included."""
-    @property
-    def num_creates(self) -> int:
-        """Physical handles created, ever."""
-    @property
-    def num_releases(self) -> int:
-        """Physical handles released, ever."""
-    @property
-    def num_cache_hits(self) -> int:
-        """Handle acquisitions served from the cache, ever."""
-    @property
-    def integrated_memory(self) -> bool:
-        """Device memory is host memory (CU_DEVICE_ATTRIBUTE_INTEGRATED); False for the host backend."""
-    @property
-    def lifecycle(self) -> Literal["live", "forked"]:
-        """"forked" when inherited by a forked child: then every method raises KVCachedClosedError."""
-
-    def reserve(self, size_bytes: int) -> VirtualRange:
-        """Reserve a virtual range of `size_bytes` (multiple of granularity); raises MappingError if not."""
-    def create(self, size_bytes: int) -> int:
-        """A new physical handle of `size_bytes`, cache bypassed; raises OutOfDeviceMemory when out of memory."""
-    def release(self, handle: int, size_bytes: int) -> None:
-        """Release a handle made by create(), cache bypassed; raises MappingError for handle 0 or a bad size."""
-    def map(self, address: int, size_bytes: int, handle: int, writable: bool = True) -> None:
-        """Map `handle` at `address` (bytes, granularity-aligned) and set its access; raises OutOfDeviceMemory."""
-    def map_only(self, address: int, size_bytes: int, handle: int) -> None:
-        """Map without setting access (benchmarks time the two steps apart); raises OutOfDeviceMemory."""
-    def set_access(self, address: int, size_bytes: int, writable: bool = True) -> None:
-        """Set read-write (or read-only) access on a mapped span; raises OutOfDeviceMemory."""
-    def unmap(self, address: int, size_bytes: int) -> None:
-        """Unmap a mapped span; the handle stays alive; raises DriverError (the mapping stays)."""
-    def acquire(self, size_bytes: int) -> int | None:
-        """A handle of `size_bytes` through the cache; None when out of memory."""
-    def recycle(self, handle: int, size_bytes: int) -> None:
-        """Give a handle back through the cache; raises MappingError for handle 0 or a bad size."""
-    def release_cached(self) -> None:
-        """Release every cached handle back to the device."""
-    def set_handle_cache_capacity(self, capacity: int) -> None:
-        """Keep at most `capacity` (0..256) released handles for reuse; 0 disables the cache."""
-    def record_fence(self, stream: int = 0) -> int:
-        """Record a fence on `stream` (CUstream as int; 0 = default stream); returns the fence id."""
-    def fence_done(self, fence: int) -> bool:
-        """True when the device work queued before the fence has finished."""
-    def release_fence(self, fence: int) -> None:
-        """Destroy a fence from record_fence() (no docstring in the source)."""
-    def free_physical_bytes(self) -> int:
-        """Physical bytes this backend could still create (a driver/syscall query: not hot)."""
-    def inject_out_of_memory(self, after: int) -> None:
-        """Fault injection: acquisitions after `after` more successes report out of memory; -1 turns it off."""
-    def inject_fault(self, op: Literal["map", "set_access", "unmap"], after: int, times: int = 1,
-                     oom: bool = False) -> None:
-        """Fault injection (tests): after `after` more successful `op` calls the next `times` (-1: all) fail,
-        with DriverError or (oom=True, map/set_access) out of memory; after=-1 disarms `op`."""
-    def stats(self) -> _BackendStats:
-        """Counters: creates, releases, cache hits, physical and cached bytes, cached handles."""
-
-@disjoint_base
-class CudaBackend(Backend):
-    """The CUDA VMM backend on one device's primary context."""
-
-    def __init__(self, device_id: int = 0) -> None:
-        """Raises DriverUnavailableError without a usable driver, KVCachedConfigError for a bad device_id."""
-    def memset(self, address: int, value: int, size_bytes: int) -> None:
-        """Fill device memory with byte `value`, synchronously (tests)."""
-
-@disjoint_base
-class HostBackend(Backend):
-    """Host-memory VMM backend (mmap + one memfd pool) with the GPU backend's semantics."""
-
-    def __init__(self, granularity: int = 2097152, capacity_bytes: int | None = None) -> None:
-        """granularity: bytes, a multiple of the OS page; capacity_bytes: default all host memory."""
-    @property
-    def capacity_bytes(self) -> int:
-        """Most physical bytes the pool hands out (rounded down to the granularity)."""
-    @property
-    def pool_fd(self) -> int:
-        """The memfd that stores every page (tests read its st_blocks)."""
-
-# -- virtual ranges ------------------------------------------------------------------------------
-
-@disjoint_base
-class VirtualRange:
-    """A reserved virtual address range of one backend; its base address never changes."""
-
-    def __init__(self) -> None:
-        """Always raises TypeError: ranges are made by Backend.reserve()."""
-    @property
-    def backend(self) -> Backend:
-        """The backend that reserved the range."""
-    @property
-    def address(self) -> int:
-        """Base address; fixed for the range's life."""
-    @property
-    def size_bytes(self) -> int:
-        """Size of the reservation in bytes."""
-
-    def free(self) -> None:
-        """Give the reservation back now; every page must be unmapped and every exported tensor dropped."""
-    def check_offset(self, offset_bytes: SupportsIndex, size_bytes: SupportsIndex) -> None:
-        """Raise MappingError unless [offset, offset + size) bytes is granularity-aligned and inside."""
-    def dlpack(self) -> object:
-        """A "dltensor" PyCapsule of the whole range as a 1-D uint8 tensor (kDLCPU or kDLCUDA)."""
-    def tensor(self) -> torch.Tensor:
-        """The whole range as a zero-copy 1-D torch.uint8 tensor that keeps this range alive."""
-
-# -- page table ----------------------------------------------------------------------------------
-
-@disjoint_base
-class PageMirror(Protocol):
-    """Repeats a page table's maps and unmaps on peer ranks; see Note [Mirrored page table]."""
-
-    def map_start(self, page_ids: list[int]) -> None: ...
-    def map_finish(self, mapped_here: bool) -> bool: ...
-    def unmap_start(self, page_ids: list[int]) -> None: ...
-    def unmap_finish(self) -> None: ...
-
-class PageTable:
-    """Maps the page ids of one KV group through a backend, all or nothing; thread-safe (one lock)."""
-
-    def __init__(
-        self,
-        backend: Backend,
-        segments: list[tuple[VirtualRange, int]],
-        map_bytes: int,
-        num_pages: int,
-        zero_page: bool = False,
-    ) -> None:
-        """segments: [(range, offset_bytes)], one per mapping of a page id; raises OutOfDeviceMemory for the zero page."""
-    @property
-    def backend(self) -> Backend:
-        """The backend every segment belongs to."""
-    @property
-    def num_pages(self) -> int:
-        """Page ids are [0, num_pages)."""
-    @property
-    def num_segments(self) -> int:
-        """Mappings per page id."""
-    @property
-    def map_bytes(self) -> int:
-        """Bytes of each mapping."""
-    @property
-    def num_mapped(self) -> int:
-        """Page ids mapped now."""
-    @property
-    def zero_page(self) -> bool:
-        """Unmapped page ids show a shared read-only zero page."""
-    @property
-    def mapped_bytes(self) -> int:
-        """Physical bytes mapped for page ids (the zero page not counted)."""
-    @property
-    def page_bytes(self) -> int:
-        """Physical bytes one page id maps, over all its segments."""
-    @property
-    def lifecycle(self) -> _Lifecycle:
-        """"closed" after close() (map raises), "forked" in a forked child (everything raises)."""
-    @property
-    def num_rollback_failures(self) -> int:
-        """Undo steps of failed maps that failed too, ever."""
-    @property
-    def last_rollback_error(self) -> BaseException | None:
-        """The latest of them."""
-    @property
-    def num_unmap_failures(self) -> int:
-        """Segment unmaps the driver refused (the segment stayed mapped, to be unmapped again), ever."""
-    @property
-    def last_unmap_error(self) -> BaseException | None:
-        """The latest of them."""
-
-    def map(self, page_ids: _PageIds) -> bool:
-        """Map the page ids, all or nothing; False (nothing changed) when out of memory; KVCachedClosedError when closed."""
-    def unmap(self, page_ids: _PageIds) -> None:
-        """Unmap the page ids; MappingError (nothing changed) for an id out of range, repeated or unmapped;
-        DriverError when the driver refused some (those stay mapped: unmap them again)."""
-    @property
-    def mirror(self) -> PageMirror | None:
-        """What repeats this table's maps and unmaps on peers (tensor parallelism), or None."""
-    def set_mirror(self, mirror: PageMirror | None) -> None:
-        """Attach (only while no page id is mapped: MappingError) or detach the mirror."""
-    def driver_floor(self, page_id: int, repeats: int = 50) -> dict[str, list[float]]:
-        """Benchmark hook: µs per pass under "raw_map_us", "raw_unmap_us", "primitives_map_us"."""
-    def is_mapped(self, page_id: int) -> bool:
-        """Whether `page_id` is mapped (no docstring in the source)."""
-    def mapped_page_ids(self) -> list[int]:
-        """The mapped page ids, ascending (no docstring in the source)."""
-    def segment_addresses(self, page_id: int) -> list[int]:
-        """Where each mapping of `page_id` lies (addresses)."""
-    def close(self) -> None:
-        """Unmap every page id and the zero page, then close (map raises KVCachedClosedError); idempotent; no-op in a forked child."""
-    def check_invariants(self) -> None:
-        """O(pages · segments) consistency check; raises AssertionError."""
 
 # -- page allocator ------------------------------------------------------------------------------
 

@@ -1,38 +1,56 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
-"""kvcached's compiled core: the VMM backends, the page table, the allocators, DLPack export.
+"""kvcached._core: the hot path the package is built around.
 
-Layers, each calling only the ones above it in this file (data-path order):
-  _driver.pxi          checked CUDA driver calls and the one-time driver probe
-  _backend.pxi         Backend (reserve / create / map / set access / unmap / release / fences),
-                       CudaBackend over cydriver, HostBackend over mmap + one pool memfd,
-                       and the bounded cache of released physical handles
-  _range.pxi           VirtualRange: one reservation, exported to torch through DLPack
-  _page_table.pxi      PageTable: what one page id maps, all-or-nothing, with rollback
-  _page_allocator.pxi  PageAllocator: free page ids, reserved pool, resize, deferred unmap
+  _page_allocator.pxi  PageAllocator: free page ids, reserved pool, resize, limits, deferred
+                       unmap, and the refill policy's background thread
   _block_allocator.pxi BlockAllocator: free slots per page, best fit, per-block allocated bit
+
+It stands on the two layers below, each its own extension module with a .pxd contract:
+kvcached._pagetable (PageTable: what one page id maps, all-or-nothing) over kvcached._vmm
+(checked driver calls, the backends and their handle cache, VirtualRange). Calls into them are
+vtable calls through those contracts; nothing here touches their locks or the handle cache.
 
 Glossary: range = virtual reservation; page = physical mapping unit (one page id backs one
 mapping per segment); block = KV slot; pool = mapped but unused pages.
 
 Every cdef function says how it fails: ``except -1`` raises (driver and syscall errors), and out of
 memory is the value ``_OOM`` (1), never an exception, so callers can roll back and return None.
-Undo paths are ``except -1`` too: they go on past a failed step and raise the first failure.
 
-Every object that owns memory or locks is live, closed, or inherited by a forked child; its public
-methods check that first, with one compare (Note [Fork and close] in _driver.pxi).
+For tools and tests, this module also re-exports the Python names of the layers below, so that
+``from kvcached import _core`` reaches the whole compiled core; the package's own modules import
+each name from the module that defines it.
 """
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint32_t, uint64_t, uintptr_t
-from libc.stdlib cimport calloc, free, malloc, realloc
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
-from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
 from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF, PyObject
 
-from cuda.bindings cimport cydriver
+from kvcached._posix cimport (
+    CLOCK_MONOTONIC, _now, clock_gettime, getpid, pthread_cond_broadcast, pthread_cond_destroy,
+    pthread_cond_init, pthread_cond_signal, pthread_cond_timedwait, pthread_cond_wait, pthread_condattr_destroy,
+    pthread_condattr_init, pthread_condattr_setclock, pthread_condattr_t, pthread_mutex_destroy, pthread_mutex_init,
+    pthread_mutex_lock, pthread_mutex_trylock, pthread_mutex_unlock, timespec, usleep,
+)
+from kvcached._vmm cimport _OOM, _TOKEN_CLOSED, _fork_generation, _lifecycle_name, _live_token, _raise_unusable
 
-include "_driver.pxi"
-include "_backend.pxi"
-include "_range.pxi"
-include "_page_table.pxi"
+import threading as _threading
+
+from kvcached.checks import as_int
+from kvcached.errors import BlockStateError, KVCachedConfigError, MappingError
+
+# The compiled core's Python surface in one namespace (tools and tests: `kvcached._core.X`).
+from kvcached._vmm import (  # noqa: F401
+    DEFAULT_HANDLE_CACHE_SIZE,
+    Backend,
+    CudaBackend,
+    HostBackend,
+    VirtualRange,
+    cuda_device_count,
+    cuda_unavailable_reason,
+    fork_generation,
+)
+from kvcached._pagetable import PageTable  # noqa: F401
+
 include "_page_allocator.pxi"
 include "_block_allocator.pxi"

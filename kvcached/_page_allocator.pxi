@@ -2,8 +2,8 @@
 # thread. See Note [Page allocator states], Note [Deferred unmap], Note [Failed unmap],
 # Note [Background thread].
 
-cdef extern from "<unistd.h>" nogil:
-    int usleep(unsigned int usec)
+cdef int64_t _MAX_NEW_PAGES = (<int64_t>1) << 62
+
 
 cdef int64_t _max_new_pages(object value) except -2:
     """The max_new_pages argument of the available_* queries: -1 (no cap) or a page count."""
@@ -11,12 +11,6 @@ cdef int64_t _max_new_pages(object value) except -2:
         return value
     return as_int(value, "max_new_pages", minimum=-1, maximum=_MAX_NEW_PAGES,
                   hint="pass the pages that may still be mapped (e.g. budget free bytes // page bytes), or -1 for no cap")
-
-
-cdef inline double _now() noexcept nogil:
-    cdef timespec ts
-    clock_gettime(CLOCK_MONOTONIC, &ts)
-    return <double>ts.tv_sec + <double>ts.tv_nsec * 1e-9
 
 
 cdef class PageAllocator:
@@ -49,7 +43,7 @@ cdef class PageAllocator:
         self.live_token = _live_token()
         self.creator_pid = getpid()
 
-    def __init__(self, PageTable page_table not None, num_pages=None, int min_reserved=5, int max_reserved=10,
+    def __init__(self, _pagetable.PageTable page_table not None, num_pages=None, int min_reserved=5, int max_reserved=10,
                  double idle_trim_s=30.0):
         """page_table: the table whose ids are handed out; num_pages: initial capacity (page ids
         [0, num_pages)), default the table's num_pages; min_reserved / max_reserved: bounds of
@@ -219,16 +213,23 @@ cdef class PageAllocator:
         else:
             self.state[page_id] = _PS_OUTSIDE
 
-    cdef void _unpop_pool(self, int n, const int32_t* ids) noexcept nogil:
-        # undo taking ids[0..n) off the pool's top, in that order (under lock)
+    cdef void _push_pool(self, int n, const int32_t* ids) noexcept nogil:
+        # ids[0..n) onto the pool's top, in that order (under lock; the caller moves the counts
+        # of the state they leave)
         cdef int i
         cdef int32_t p
-        for i in range(n - 1, -1, -1):
+        for i in range(n):
             p = ids[i]
             self.state[p] = _PS_POOL
             self.pool[self.num_pool] = p
             self.num_pool += 1
             self.pool_weight += self.weight[p]
+
+    cdef void _unpop_pool(self, int n, const int32_t* ids) noexcept nogil:
+        # undo taking ids[0..n) off the pool's top, in that order (under lock)
+        cdef int i
+        for i in range(n - 1, -1, -1):
+            self._push_pool(1, ids + i)
 
     # -- taking pages -------------------------------------------------------------------------
     cdef int _take_pool_locked(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil:
@@ -405,19 +406,12 @@ cdef class PageAllocator:
     cdef int return_pages_fast(self, int n, const int32_t* ids) noexcept nogil:
         """Put n used pages into the pool if all fit (pool <= max_reserved, limit respected).
         Returns 0, or _NEED_SLOW with nothing changed. No driver call, no Python. Takes lock."""
-        cdef int i
-        cdef int32_t p
         pthread_mutex_lock(&self.lock)
         if self.num_pool + n > self.max_reserved or (
                 self.limit_pages >= 0 and self.num_used + self.num_pool + self.num_transit > self.limit_pages):
             pthread_mutex_unlock(&self.lock)
             return _NEED_SLOW
-        for i in range(n):
-            p = ids[i]
-            self.state[p] = _PS_POOL
-            self.pool[self.num_pool] = p
-            self.num_pool += 1
-            self.pool_weight += self.weight[p]
+        self._push_pool(n, ids)
         self.num_used -= n
         self.activity += 1
         self.idle_trimmed = False
@@ -444,12 +438,7 @@ cdef class PageAllocator:
                 # no fence, so nothing may be unmapped: the pages stay mapped, in the pool (even
                 # past max_reserved; a trim or limit unmaps them later), never lost
                 pthread_mutex_lock(&self.lock)
-                for i in range(n):
-                    p = ids[i]
-                    self.state[p] = _PS_POOL
-                    self.pool[self.num_pool] = p
-                    self.num_pool += 1
-                    self.pool_weight += self.weight[p]
+                self._push_pool(n, ids)
                 self.num_used -= n
                 pthread_mutex_unlock(&self.lock)
         pthread_mutex_lock(&self.lock)
@@ -457,12 +446,7 @@ cdef class PageAllocator:
         if self.limit_pages >= 0:
             room = min(room, self.limit_pages - (self.num_used - n) - self.num_pool - self.num_transit)
         k = max(0, min(n, room))
-        for i in range(k):
-            p = ids[i]
-            self.state[p] = _PS_POOL
-            self.pool[self.num_pool] = p
-            self.num_pool += 1
-            self.pool_weight += self.weight[p]
+        self._push_pool(k, ids)
         if n > k:
             tail = self.pend_head + self.num_pending - self.num_retry     # retries are not in the ring
             for i in range(k, n):
@@ -704,12 +688,7 @@ cdef class PageAllocator:
                     fits = max(0, min(k, self.max_reserved - self.num_pool))
                     if self.limit_pages >= 0:
                         fits = max(0, min(fits, self.limit_pages - self.num_used - self.num_pool - (self.num_transit - k)))
-                    for i in range(fits):
-                        p = self.scratch[i]
-                        self.state[p] = _PS_POOL
-                        self.pool[self.num_pool] = p
-                        self.num_pool += 1
-                        self.pool_weight += self.weight[p]
+                    self._push_pool(fits, self.scratch)
                     self.num_transit -= fits
                     self.num_maps += k
                     self.num_refills += 1
@@ -736,9 +715,7 @@ cdef class PageAllocator:
         """Ask the backend for its free physical bytes (a driver call on CUDA). Hold map_lock."""
         cdef size_t free_bytes = 0, base
         self.backend._free_physical_bytes(&free_bytes)
-        pthread_mutex_lock(&self.backend._lock)
-        base = self.backend.physical_bytes
-        pthread_mutex_unlock(&self.backend._lock)
+        base = self.backend.physical_bytes_locked()
         pthread_mutex_lock(&self.lock)
         self.phys_snapshot = free_bytes
         self.phys_base = base
@@ -801,7 +778,7 @@ cdef class PageAllocator:
             self._drain(False)
             if idle:
                 self._pool_out(0, self.num_table_pages)
-                self.backend.release_cached_handles()
+                self.backend.release_cached_above(0)
                 pthread_mutex_lock(&self.lock)
                 self.refill_target = self.min_reserved
                 if self.activity == act:
@@ -1065,7 +1042,7 @@ cdef class PageAllocator:
             try:
                 self._drain(False)
                 self._pool_out(0, self.num_table_pages)
-                self.backend.release_cached_handles()
+                self.backend.release_cached_above(0)
                 pthread_mutex_lock(&self.lock)
                 self.idle_trimmed = True
                 pthread_mutex_unlock(&self.lock)

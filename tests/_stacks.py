@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from kvcached._core import BlockAllocator, HostBackend, PageAllocator, PageTable
+from kvcached._core import BlockAllocator, PageAllocator
+from kvcached._pagetable import PageTable
+from kvcached._vmm import HostBackend
 
 GRANULARITY = 64 << 10
 KV_PAGE_BYTES = 64 << 10          # page size of the runtime-level tests (init_kvcached(page_size_bytes=...))

@@ -63,7 +63,7 @@ def test_kvtop_help():
     (["limit", "{name}", "-1G"], 1, "size '-1G' is negative"),
     (["limit", "{name}", "-5"], 1, "size '-5' is negative"),
     (["limit", "{name}", "150%"], 1, "above 100%"),
-    (["limit", "{name}", "1G", "--revision", "-3"], 1, "--revision -3 is negative"),
+    (["limit", "{name}", "1G", "--revision", "-3"], 1, "--revision=-3 must be an int in [0, "),
     (["limit", "{name}", "1G", "--timeout", "-1"], 1, "--timeout -1.0 is negative"),
     (["limit", "{name}", "99999999999999999999"], 1, "above the largest limit a segment holds"),
     (["limit", "{name}", "99999999T"], 1, "above the largest limit a segment holds"),

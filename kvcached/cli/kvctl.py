@@ -16,6 +16,7 @@ import sys
 import time
 
 from ..budget import delete_budget, gc_budgets, list_budgets, read_budget, set_budget
+from ..checks import as_int
 from ..errors import KVCachedError
 from ..mem_info_tracker import (
     I64_MAX,
@@ -122,11 +123,10 @@ def cmd_limit(args: argparse.Namespace) -> int:
                     "remove the limit")
     if args.timeout < 0:
         raise _Fail(f"--timeout {args.timeout} is negative: give seconds >= 0 (0: do not wait)")
-    if args.revision is not None and args.revision < 0:
-        raise _Fail(f"--revision {args.revision} is negative: give a revision >= 0, or omit it")
-    if args.revision is not None and args.revision > I64_MAX:
-        raise _Fail(f"--revision {args.revision} is above {I64_MAX}, the largest a segment "
-                    "holds; omit it to take the next one")
+    if args.revision is not None:
+        as_int(args.revision, "--revision", minimum=0, maximum=I64_MAX, error=_Fail,
+               hint="a revision is 0 or above, and at most the largest a segment holds; "
+                    "omit it to take the next one")
     request = request_limit(args.name, limit_bytes, args.revision)
     ack = wait_for_ack(request, timeout_s=args.timeout)
     if args.json:

@@ -1,30 +1,174 @@
-# Backends: one interface, two implementations. See Note [Handle cache] and Note [Host backend].
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
+"""kvcached._vmm: the lowest layer of the compiled core, over the CUDA driver or host memory.
 
+Checked driver and syscall calls, the one-time driver probe, the process lifecycle every object
+of the core follows (Note [Fork and close]), the backends — Backend (reserve / create / map / set
+access / unmap / release / fences), CudaBackend over cydriver, HostBackend over mmap + one pool
+memfd — with the bounded cache of released physical handles as one policy in one class
+(Note [Handle cache]), and VirtualRange, a reservation exported to torch through DLPack.
+
+The C contract is _vmm.pxd; _pagetable and _core cimport it. Nothing here imports them.
+"""
+
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free, realloc
+from libc.string cimport memset
+from cpython.pycapsule cimport PyCapsule_Destructor, PyCapsule_GetPointer, PyCapsule_IsValid, PyCapsule_New
+from cpython.ref cimport Py_DECREF, Py_INCREF
+
+from cuda.bindings cimport cydriver
+
+from kvcached._posix cimport (
+    EIO, ENOMEM, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED,
+    MAP_NORESERVE, MAP_PRIVATE, MAP_SHARED, MFD_CLOEXEC, PROT_NONE, PROT_READ, PROT_WRITE, close, errno,
+    fallocate, ftruncate, getpid, memfd_create, mmap, mprotect, munmap, pthread_atfork, pthread_mutex_destroy,
+    pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock,
+)
+
+# Checked CUDA driver calls and the one-time driver probe. See Note [Driver probe].
+
+import operator as _operator
 import os as _os
+import threading as _threading
 
-cdef extern from "<sys/mman.h>" nogil:
-    void* mmap(void* addr, size_t length, int prot, int flags, int fd, long offset)
-    int munmap(void* addr, size_t length)
-    int mprotect(void* addr, size_t length, int prot)
-    int memfd_create(const char* name, unsigned int flags)
-    void* MAP_FAILED
-    int PROT_NONE, PROT_READ, PROT_WRITE
-    int MAP_SHARED, MAP_PRIVATE, MAP_ANONYMOUS, MAP_FIXED, MAP_NORESERVE
-    unsigned int MFD_CLOEXEC
+from kvcached.errors import (
+    DriverError,
+    DriverUnavailableError,
+    KVCachedClosedError,
+    KVCachedConfigError,
+    MappingError,
+    OutOfDeviceMemory,
+)
 
-cdef extern from "<fcntl.h>" nogil:
-    int fallocate(int fd, int mode, long offset, long length)
+cdef object _probe_result = None      # None: not probed yet; "" usable; else why not
+cdef object _probe_lock = _threading.Lock()
 
-cdef extern from "<linux/falloc.h>" nogil:
-    int FALLOC_FL_PUNCH_HOLE, FALLOC_FL_KEEP_SIZE
 
-cdef extern from "<unistd.h>" nogil:
-    int ftruncate(int fd, long length)
-    int close(int fd)
+cdef str _cuda_error_name(cydriver.CUresult res):
+    cdef const char* text = NULL
+    try:
+        if cydriver.cuGetErrorName(res, &text) == cydriver.CUDA_SUCCESS and text != NULL:
+            return text.decode()
+    except Exception:
+        pass
+    return f"CUresult {<int>res}"
 
-cdef extern from "<errno.h>" nogil:
-    int errno
-    int ENOMEM, ENOSPC, EIO
+
+cdef int _raise_cuda(cydriver.CUresult res, const char* call) except -1:
+    name = _cuda_error_name(res)
+    if res == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
+        raise OutOfDeviceMemory(call.decode(), <int>res, name)
+    raise DriverError(call.decode(), <int>res, name)
+
+
+cdef int check(cydriver.CUresult res, const char* call) except -1 nogil:
+    """Raise DriverError naming `call` and the driver's error for anything but success."""
+    if res == cydriver.CUDA_SUCCESS:
+        return 0
+    with gil:
+        _raise_cuda(res, call)
+    return -1
+
+
+cdef int check_oom(cydriver.CUresult res, const char* call) except -1 nogil:
+    """Like check(), but CUDA_ERROR_OUT_OF_MEMORY is returned as _OOM instead of raised."""
+    if res == cydriver.CUDA_ERROR_OUT_OF_MEMORY:
+        return _OOM
+    return check(res, call)
+
+
+def cuda_unavailable_reason():
+    """None when the CUDA driver is usable and has a device; otherwise the reason, as text.
+
+    Probed once per process and cached (see Note [Driver probe])."""
+    global _probe_result
+    cdef cydriver.CUresult res
+    cdef int count = 0
+    with _probe_lock:
+        if _probe_result is None:
+            try:
+                res = cydriver.cuInit(0)
+                if res != cydriver.CUDA_SUCCESS:
+                    _probe_result = f"cuInit failed: {_cuda_error_name(res)}"
+                else:
+                    res = cydriver.cuDeviceGetCount(&count)
+                    if res != cydriver.CUDA_SUCCESS:
+                        _probe_result = f"cuDeviceGetCount failed: {_cuda_error_name(res)}"
+                    elif count == 0:
+                        _probe_result = "the CUDA driver reports no device"
+                    else:
+                        _probe_result = ""
+            except Exception as exc:
+                _probe_result = f"the CUDA driver library could not be loaded ({exc})"
+        return _probe_result or None
+
+
+def cuda_device_count():
+    """Number of CUDA devices, 0 when the driver is unavailable."""
+    cdef int count = 0
+    if cuda_unavailable_reason() is not None:
+        return 0
+    check(cydriver.cuDeviceGetCount(&count), "cuDeviceGetCount")
+    return count
+
+# -- process lifecycle: live, closed, or inherited by a forked child. See Note [Fork and close]. --
+
+_fork_generation = 0                      # declared in _vmm.pxd: the other modules read it
+_TOKEN_CLOSED = ~(<uint64_t>0)
+
+
+cdef void _after_fork_child() noexcept nogil:
+    # Runs inside fork() in the child, before any Python code: one store, nothing else.
+    global _fork_generation
+    _fork_generation += 1
+
+
+pthread_atfork(NULL, NULL, _after_fork_child)
+
+
+cdef int _raise_unusable(str what, uint64_t token, int creator_pid, str fix) except -1:
+    """Raise the KVCachedClosedError that says why an object whose token is stale cannot be used
+    (closed, or inherited by a forked child): one class an engine can catch for both."""
+    if token == _TOKEN_CLOSED:
+        raise KVCachedClosedError(f"this {what} is closed; {fix}")
+    raise KVCachedClosedError(
+        f"this {what} was created in process {creator_pid} and is unusable in a forked child "
+        f"(process {_os.getpid()}): its memory and locks are shared with the parent, whose KV cache it "
+        f"would corrupt; create a new one after fork (init_kvcached / get_kv_cache_manager in the child).")
+
+
+cdef str _lifecycle_name(uint64_t token):
+    if token == _fork_generation:
+        return "live"
+    return "closed" if token == _TOKEN_CLOSED else "forked"
+
+
+def fork_generation() -> int:
+    """How many forks separate this process from the one that loaded kvcached (0 there)."""
+    return _fork_generation
+
+# Note [Fork and close]
+# Every object of the core that owns memory or locks (Backend, VirtualRange, PageTable,
+# PageAllocator, BlockAllocator) carries a token: the fork generation it was made in, or
+# _TOKEN_CLOSED once closed. A pthread_atfork child handler bumps the generation, so after any
+# fork (os.fork, multiprocessing, a C library) every inherited object is stale at once, with no
+# registry to walk and nothing to call from Python. Public methods compare the token first — one
+# load and compare, before any lock — and raise a KVCachedClosedError that says what to do. In a child
+# the inherited objects must not touch anything: the host backend's pool memfd and every mapped
+# page are shared with the parent (a punched hole or a reused slot would zero or alias the
+# parent's live blocks), CUDA is unusable after fork, and a lock may have been held by a parent
+# thread that does not exist here. So close(), stop() and __dealloc__ in a child do nothing (they
+# run from at-exit handlers and garbage collection), and the cdef data paths that map, unmap,
+# create or release check the token too, so a path that slipped past a Python check still stops.
+
+# Note [Driver probe]
+# cydriver loads libcuda lazily; with no libcuda the first call *raises* (a RuntimeError), even
+# inside `with nogil`, and retries the dlopen on every call (0.1-0.5 ms). So we probe once, under a
+# lock, and cache the answer: a CudaBackend is only ever built after a successful probe, and code
+# that only wants to know whether CUDA is there asks cuda_unavailable_reason().
+
+
+# Backends: one interface, two implementations. See Note [Handle cache] and Note [Host backend].
 
 DEFAULT_HANDLE_CACHE_SIZE = 8
 _FAULT_OPS = {"map": _FAULT_MAP, "set_access": _FAULT_SET_ACCESS, "unmap": _FAULT_UNMAP}
@@ -35,7 +179,7 @@ cdef int _raise_os(const char* call, int err) except -1:
     raise DriverError(call.decode(), err, _os.strerror(err))
 
 
-cdef inline int check_os(int failed, const char* call) except -1 nogil:
+cdef int check_os(int failed, const char* call) except -1 nogil:
     """Raise DriverError naming the syscall and errno when `failed` is true."""
     cdef int err
     if not failed:
@@ -44,6 +188,15 @@ cdef inline int check_os(int failed, const char* call) except -1 nogil:
     with gil:
         _raise_os(call, err)
     return -1
+
+
+cdef int _raise_if_oom(int rc, str what, size_t size_bytes) except -1 nogil:
+    """Turn the _OOM value into OutOfDeviceMemory where out of memory cannot be a value (undo
+    paths); returns rc otherwise."""
+    if rc != _OOM:
+        return rc
+    with gil:
+        raise OutOfDeviceMemory(what, 2, "out of memory", f"{size_bytes} bytes")
 
 
 cdef class Backend:
@@ -86,53 +239,6 @@ cdef class Backend:
     def lifecycle(self) -> str:
         """"live", or "forked" when inherited by a forked child (then every method raises)."""
         return _lifecycle_name(self.live_token)
-
-    # -- fault injection, for tests only: one flag test on the primitives when off ------------
-    cdef int _injected_fault(self, int op) except -1 nogil:
-        """Count one call of `op`; when its countdown is spent, fail it: return _OOM (armed with
-        oom=True) or raise DriverError. Called only while faults_armed."""
-        cdef int fire = self._fault_fires(op)
-        if fire == 2:
-            return _OOM
-        if fire == 1:
-            with gil:
-                raise DriverError(("map", "set_access", "unmap")[op], 5, "EIO", "injected fault")
-        return 0
-
-    cdef int _fault_fires(self, int op) noexcept nogil:
-        """Count one call of `op`: 0 let it run, 1 fail it with an error, 2 with out of memory."""
-        cdef int fire = 0
-        pthread_mutex_lock(&self._lock)
-        if self.fault_times[op] != 0:
-            if self.fault_after[op] > 0:
-                self.fault_after[op] -= 1
-            else:
-                fire = 2 if self.fault_oom[op] else 1
-                if self.fault_times[op] > 0:
-                    self.fault_times[op] -= 1
-        self.faults_armed = (self.fault_times[_FAULT_MAP] != 0 or self.fault_times[_FAULT_SET_ACCESS] != 0
-                             or self.fault_times[_FAULT_UNMAP] != 0)
-        pthread_mutex_unlock(&self._lock)
-        return fire
-
-    def inject_fault(self, str op, int64_t after, int64_t times=1, bint oom=False):
-        """Fault injection (tests): after `after` more successful `op` calls ("map",
-        "set_access" or "unmap"), the next `times` calls fail (-1: all of them) — with a
-        DriverError, or, with oom=True, as out of memory (map and set_access). after=-1 disarms
-        `op`. Raises KVCachedConfigError for another op, or oom=True with "unmap"."""
-        self._check_live()
-        if op not in _FAULT_OPS or (oom and op == "unmap"):
-            raise KVCachedConfigError(
-                f"inject_fault(op={op!r}, oom={oom}): op must be one of {sorted(_FAULT_OPS)}, "
-                f"and oom=True only for map or set_access")
-        cdef int i = _FAULT_OPS[op]
-        pthread_mutex_lock(&self._lock)
-        self.fault_after[i] = after
-        self.fault_times[i] = 0 if after < 0 else times
-        self.fault_oom[i] = oom
-        self.faults_armed = (self.fault_times[_FAULT_MAP] != 0 or self.fault_times[_FAULT_SET_ACCESS] != 0
-                             or self.fault_times[_FAULT_UNMAP] != 0)
-        pthread_mutex_unlock(&self._lock)
 
     # -- primitives, implemented by subclasses ------------------------------------------------
     cdef int _reserve(self, size_t size_bytes, uintptr_t* address) except -1 nogil:
@@ -237,22 +343,63 @@ cdef class Backend:
         pthread_mutex_unlock(&self._lock)
         return 0
 
-    cdef int release_cached_handles(self) except -1 nogil:
-        """Release every cached handle, so its memory goes back to the device."""
-        cdef uint64_t handle
-        cdef size_t size_bytes
+    cdef int release_cached_above(self, int keep) except -1 nogil:
+        """Release cached handles from the top of the cache until at most `keep` remain: the one
+        loop that gives cached memory back (trim, idle trim, a smaller capacity, shutdown, the
+        undo of a failed map). Every handle is tried: one whose release fails goes back into the
+        cache, still counted, the others are still released, and the first failure is raised
+        at the end. Takes `_lock` per handle and the GIL for the loop: a rare path, never the
+        data path. See Note [Handle cache]."""
+        cdef uint64_t handle = 0
+        cdef size_t size_bytes = 0
         self._check_live()
-        while True:
-            pthread_mutex_lock(&self._lock)
-            if self.cache_count == 0:
-                pthread_mutex_unlock(&self._lock)
-                return 0
-            self.cache_count -= 1
-            handle = self.cache_handles[self.cache_count]
-            size_bytes = self.cache_sizes[self.cache_count]
-            self.cached_bytes -= size_bytes
+        with gil:
+            kept = []
+            first = None
+            while self._pop_cached_above(keep, &handle, &size_bytes):
+                try:
+                    self._release_counted(handle, size_bytes)
+                except BaseException as exc:
+                    first = exc if first is None else first
+                    kept.append((handle, size_bytes))
+            for handle, size_bytes in kept:         # not released: back in the cache, still counted
+                self._push_cached(handle, size_bytes)
+            if first is not None:
+                raise first
+        return 0
+
+    cdef int _pop_cached_above(self, int keep, uint64_t* handle, size_t* size_bytes) noexcept nogil:
+        """Take the top cached handle off the cache when more than `keep` are cached: 1, or 0
+        with nothing taken. Takes `_lock`."""
+        pthread_mutex_lock(&self._lock)
+        if self.cache_count <= keep:
             pthread_mutex_unlock(&self._lock)
-            self._release_counted(handle, size_bytes)
+            return 0
+        self.cache_count -= 1
+        handle[0] = self.cache_handles[self.cache_count]
+        size_bytes[0] = self.cache_sizes[self.cache_count]
+        self.cached_bytes -= size_bytes[0]
+        pthread_mutex_unlock(&self._lock)
+        return 1
+
+    cdef void _push_cached(self, uint64_t handle, size_t size_bytes) noexcept nogil:
+        """Put a handle that _pop_cached_above took (its release failed) back on top, counted
+        again; with the cache full it is dropped, as the fixed arrays hold no more. Takes `_lock`."""
+        pthread_mutex_lock(&self._lock)
+        if self.cache_count < _MAX_CACHED_HANDLES:
+            self.cache_handles[self.cache_count] = handle
+            self.cache_sizes[self.cache_count] = size_bytes
+            self.cache_count += 1
+            self.cached_bytes += size_bytes
+        pthread_mutex_unlock(&self._lock)
+
+    cdef size_t physical_bytes_locked(self) noexcept nogil:
+        """physical_bytes read under `_lock` (a snapshot consistent with the counters)."""
+        cdef size_t value
+        pthread_mutex_lock(&self._lock)
+        value = self.physical_bytes
+        pthread_mutex_unlock(&self._lock)
+        return value
 
     cdef int check_aligned(self, size_t value, str what) except -1:
         if value == 0 or value % self.granularity:
@@ -360,29 +507,18 @@ cdef class Backend:
     def release_cached(self):
         """Release every cached handle back to the device."""
         with nogil:
-            self.release_cached_handles()
+            self.release_cached_above(0)
 
     def set_handle_cache_capacity(self, int capacity):
         """Keep at most `capacity` released handles for reuse (0 disables the cache)."""
         if not 0 <= capacity <= _MAX_CACHED_HANDLES:
             raise KVCachedConfigError(f"handle cache capacity {capacity} must be in [0, {_MAX_CACHED_HANDLES}]")
-        cdef uint64_t handle
-        cdef size_t size_bytes
         self._check_live()
         pthread_mutex_lock(&self._lock)
         self.cache_capacity = capacity
         pthread_mutex_unlock(&self._lock)
-        while True:
-            pthread_mutex_lock(&self._lock)
-            if self.cache_count <= self.cache_capacity:
-                pthread_mutex_unlock(&self._lock)
-                return
-            self.cache_count -= 1
-            handle = self.cache_handles[self.cache_count]
-            size_bytes = self.cache_sizes[self.cache_count]
-            self.cached_bytes -= size_bytes
-            pthread_mutex_unlock(&self._lock)
-            self._release_counted(handle, size_bytes)
+        with nogil:
+            self.release_cached_above(capacity)
 
     def record_fence(self, uintptr_t stream=0):
         """Record a fence on `stream` (a CUstream as int; 0 = legacy default stream) -> fence id."""
@@ -408,14 +544,6 @@ cdef class Backend:
             self._free_physical_bytes(&free_bytes)
         return free_bytes
 
-    def inject_out_of_memory(self, int64_t after):
-        """Fault injection: the handle acquisition after `after` more successful ones reports out
-        of memory, and every one after that too, until called with -1 (off)."""
-        self._check_live()
-        pthread_mutex_lock(&self._lock)
-        self.fault_countdown = after
-        pthread_mutex_unlock(&self._lock)
-
     def stats(self):
         """Counters: creates, releases, cache hits, physical and cached bytes."""
         return {
@@ -429,6 +557,61 @@ cdef class Backend:
             "cached_handles": self.cache_count,
         }
 
+
+    # -- test hooks: fault injection (one flag test on the primitives while off) ---------------
+    cdef int _injected_fault(self, int op) except -1 nogil:
+        """Count one call of `op`; when its countdown is spent, fail it: return _OOM (armed with
+        oom=True) or raise DriverError. Called only while faults_armed."""
+        cdef int fire = self._fault_fires(op)
+        if fire == 2:
+            return _OOM
+        if fire == 1:
+            with gil:
+                raise DriverError(("map", "set_access", "unmap")[op], 5, "EIO", "injected fault")
+        return 0
+
+    cdef int _fault_fires(self, int op) noexcept nogil:
+        """Count one call of `op`: 0 let it run, 1 fail it with an error, 2 with out of memory."""
+        cdef int fire = 0
+        pthread_mutex_lock(&self._lock)
+        if self.fault_times[op] != 0:
+            if self.fault_after[op] > 0:
+                self.fault_after[op] -= 1
+            else:
+                fire = 2 if self.fault_oom[op] else 1
+                if self.fault_times[op] > 0:
+                    self.fault_times[op] -= 1
+        self.faults_armed = (self.fault_times[_FAULT_MAP] != 0 or self.fault_times[_FAULT_SET_ACCESS] != 0
+                             or self.fault_times[_FAULT_UNMAP] != 0)
+        pthread_mutex_unlock(&self._lock)
+        return fire
+
+    def inject_fault(self, str op, int64_t after, int64_t times=1, bint oom=False):
+        """Fault injection (tests): after `after` more successful `op` calls ("map",
+        "set_access" or "unmap"), the next `times` calls fail (-1: all of them) — with a
+        DriverError, or, with oom=True, as out of memory (map and set_access). after=-1 disarms
+        `op`. Raises KVCachedConfigError for another op, or oom=True with "unmap"."""
+        self._check_live()
+        if op not in _FAULT_OPS or (oom and op == "unmap"):
+            raise KVCachedConfigError(
+                f"inject_fault(op={op!r}, oom={oom}): op must be one of {sorted(_FAULT_OPS)}, "
+                f"and oom=True only for map or set_access")
+        cdef int i = _FAULT_OPS[op]
+        pthread_mutex_lock(&self._lock)
+        self.fault_after[i] = after
+        self.fault_times[i] = 0 if after < 0 else times
+        self.fault_oom[i] = oom
+        self.faults_armed = (self.fault_times[_FAULT_MAP] != 0 or self.fault_times[_FAULT_SET_ACCESS] != 0
+                             or self.fault_times[_FAULT_UNMAP] != 0)
+        pthread_mutex_unlock(&self._lock)
+
+    def inject_out_of_memory(self, int64_t after):
+        """Fault injection: the handle acquisition after `after` more successful ones reports out
+        of memory, and every one after that too, until called with -1 (off)."""
+        self._check_live()
+        pthread_mutex_lock(&self._lock)
+        self.fault_countdown = after
+        pthread_mutex_unlock(&self._lock)
 
 cdef class CudaBackend(Backend):
     """The CUDA VMM backend: cuMemCreate / cuMemMap / cuMemSetAccess on one device's primary context."""
@@ -468,7 +651,7 @@ cdef class CudaBackend(Backend):
         if self.has_context and self.live_token == _fork_generation:   # a forked child touches no driver
             # Cached handles hold device memory that nothing else can reach once we are gone.
             try:
-                self.release_cached_handles()
+                self.release_cached_above(0)
             except Exception:
                 pass
             try:
@@ -736,7 +919,10 @@ cdef class HostBackend(Backend):
 # floor of re-mapping (~30 us). Keeping up to `cache_capacity` released handles (default 8) and
 # handing them out again to the next mapping of the same size takes create/release off the path
 # of a page that is unmapped and soon mapped again. Cached handles still hold device memory:
-# `cached_bytes` counts them, and `release_cached()` gives them back (trim, limits, shutdown).
+# `cached_bytes` counts them, and `release_cached_above(keep)` gives them back (trim, idle trim,
+# a smaller capacity, shutdown, and the undo of a failed map, which keeps the count it saw
+# before the map so that the handles the map created are released again). It is the only code
+# that takes handles off the cache in bulk; layers above call it and never touch the arrays.
 # A reused handle holds whatever its last user wrote; kvcached never promised zeroed blocks.
 #
 # Note [Host backend]
@@ -754,3 +940,153 @@ cdef class HostBackend(Backend):
 # slots are reused by size but never merged, so a backend serving mappings of several sizes
 # (per_layer pages, then compound ones) would otherwise run out of offsets before it runs out of
 # memory. capacity_bytes is enforced on physical_bytes, not on offsets.
+
+
+# VirtualRange and its zero-copy export to torch through DLPack. See Note [DLPack export].
+
+cdef extern from *:
+    """
+    typedef struct { int32_t device_type; int32_t device_id; } kvc_DLDevice;
+    typedef struct { uint8_t code; uint8_t bits; uint16_t lanes; } kvc_DLDataType;
+    typedef struct {
+        void* data; kvc_DLDevice device; int32_t ndim; kvc_DLDataType dtype;
+        int64_t* shape; int64_t* strides; uint64_t byte_offset;
+    } kvc_DLTensor;
+    typedef struct kvc_DLManagedTensor {
+        kvc_DLTensor dl_tensor; void* manager_ctx; void (*deleter)(struct kvc_DLManagedTensor*);
+    } kvc_DLManagedTensor;
+    typedef struct { kvc_DLManagedTensor managed; int64_t shape[1]; } kvc_DLExport;
+    """
+    ctypedef struct kvc_DLDevice:
+        int32_t device_type
+        int32_t device_id
+    ctypedef struct kvc_DLDataType:
+        uint8_t code
+        uint8_t bits
+        uint16_t lanes
+    ctypedef struct kvc_DLTensor:
+        void* data
+        kvc_DLDevice device
+        int32_t ndim
+        kvc_DLDataType dtype
+        int64_t* shape
+        int64_t* strides
+        uint64_t byte_offset
+    ctypedef struct kvc_DLManagedTensor:
+        kvc_DLTensor dl_tensor
+        void* manager_ctx
+        void (*deleter)(kvc_DLManagedTensor*) noexcept nogil
+    ctypedef struct kvc_DLExport:
+        kvc_DLManagedTensor managed
+        int64_t shape[1]
+
+cdef enum:
+    _kDLCPU = 1
+    _kDLCUDA = 2
+    _kDLUInt = 1
+
+
+cdef void _dl_deleter(kvc_DLManagedTensor* managed) noexcept nogil:
+    # Called by the consumer (torch), possibly from a thread without the GIL.
+    with gil:
+        Py_DECREF(<object>managed.manager_ctx)
+    free(managed)
+
+
+cdef void _dl_capsule_destructor(object capsule) noexcept:
+    # A capsule never consumed still owns its tensor; a consumed one is renamed "used_dltensor".
+    cdef kvc_DLManagedTensor* managed
+    if PyCapsule_IsValid(capsule, b"dltensor"):
+        managed = <kvc_DLManagedTensor*>PyCapsule_GetPointer(capsule, b"dltensor")
+        managed.deleter(managed)
+
+
+cdef class VirtualRange:
+    """A reserved virtual address range of one backend; its base address never changes (so
+    CUDA graphs that captured it stay valid). The reservation is given back when the range and
+    every tensor exported from it are gone, or by free()."""
+
+    def __init__(self):
+        raise TypeError("VirtualRange is made by Backend.reserve()")
+
+    @staticmethod
+    cdef VirtualRange _wrap(Backend backend, uintptr_t address, size_t size_bytes):
+        cdef VirtualRange r = VirtualRange.__new__(VirtualRange)
+        r.backend = backend
+        r.address = address
+        r.size_bytes = size_bytes
+        r.live_token = _live_token()
+        return r
+
+    def __dealloc__(self):
+        # a forked child gives nothing back: the reservation is the parent's (Note [Fork and close])
+        if not self.freed and self.backend is not None and self.live_token == _fork_generation:
+            try:
+                self.backend._free_range(self.address, self.size_bytes)
+            except Exception:
+                pass
+
+    def free(self):
+        """Give the reservation back now. The caller must have unmapped every page in it and
+        dropped every tensor exported from it; further use of those tensors is undefined."""
+        if not self.freed:
+            self.backend._check_live()
+            self.freed = True
+            self.backend._free_range(self.address, self.size_bytes)
+
+    def __repr__(self):
+        return f"VirtualRange({self.backend.kind}, address=0x{self.address:x}, size_bytes={self.size_bytes})"
+
+    def check_offset(self, offset_bytes, size_bytes):
+        """Raise MappingError unless [offset, offset + size) is granularity-aligned and inside.
+
+        Python integers, so a negative or huge value is refused instead of wrapping around."""
+        g = self.backend.granularity
+        try:
+            offset_bytes, size_bytes = _operator.index(offset_bytes), _operator.index(size_bytes)
+        except TypeError:
+            raise MappingError(f"offset {offset_bytes!r} and size {size_bytes!r} must be integers (bytes)") from None
+        if offset_bytes < 0 or size_bytes <= 0:
+            raise MappingError(f"offset {offset_bytes} must be >= 0 and size {size_bytes} > 0")
+        if offset_bytes % g or size_bytes % g:
+            raise MappingError(f"offset {offset_bytes} / size {size_bytes} is not aligned to the granularity {g}")
+        if offset_bytes + size_bytes > self.size_bytes:
+            raise MappingError(f"[{offset_bytes}, {offset_bytes + size_bytes}) lies outside the range of {self.size_bytes} bytes")
+
+    def dlpack(self):
+        """A DLPack capsule of the whole range as a 1-D uint8 tensor (kDLCPU or kDLCUDA)."""
+        if self.freed:
+            raise MappingError("this range was freed; reserve a new one")
+        cdef kvc_DLExport* export = <kvc_DLExport*>calloc(1, sizeof(kvc_DLExport))
+        if export == NULL:
+            raise MemoryError("no memory for a DLPack descriptor")
+        export.shape[0] = <int64_t>self.size_bytes
+        export.managed.dl_tensor.data = <void*>self.address
+        if self.backend.kind == "cuda":
+            export.managed.dl_tensor.device.device_type = _kDLCUDA
+            export.managed.dl_tensor.device.device_id = self.backend.device_id
+        else:
+            export.managed.dl_tensor.device.device_type = _kDLCPU
+            export.managed.dl_tensor.device.device_id = 0
+        export.managed.dl_tensor.ndim = 1
+        export.managed.dl_tensor.dtype.code = _kDLUInt
+        export.managed.dl_tensor.dtype.bits = 8
+        export.managed.dl_tensor.dtype.lanes = 1
+        export.managed.dl_tensor.shape = export.shape
+        export.managed.dl_tensor.strides = NULL
+        export.managed.manager_ctx = <void*>self
+        export.managed.deleter = _dl_deleter
+        Py_INCREF(self)
+        return PyCapsule_New(export, b"dltensor", <PyCapsule_Destructor>_dl_capsule_destructor)
+
+    def tensor(self):
+        """The whole range as a zero-copy 1-D torch.uint8 tensor that keeps this range alive."""
+        import torch.utils.dlpack
+        return torch.utils.dlpack.from_dlpack(self.dlpack())
+
+# Note [DLPack export]
+# The range is exported as raw bytes (uint8, 1-D, compact); layout.py views it with the dtype and
+# strides of each engine shape, so the C side never learns about dtypes. The managed tensor holds a
+# reference to its VirtualRange (manager_ctx), dropped by the deleter when the consumer lets go, so
+# the reservation outlives every tensor. Unmapping is separate: a tensor over an unmapped page
+# faults on access (segfault on the host backend, an illegal address on CUDA).

@@ -1,3 +1,28 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
+"""kvcached._pagetable: what one page id maps, through a backend of kvcached._vmm.
+
+PageTable maps every segment of a page id all-or-nothing, with rollback (Note [Page table]), an
+optional shared read-only zero page, failed unmaps kept rather than lost (Note [Failed unmap] in
+_core), and an optional mirror on peer ranks (Note [Mirrored page table]). The C contract is
+_pagetable.pxd; it cimports only _vmm, and _core cimports it.
+"""
+
+from libc.stdint cimport int32_t, uint64_t, uintptr_t
+from libc.stdlib cimport calloc, free, malloc
+
+from cuda.bindings cimport cydriver
+
+from kvcached._posix cimport (
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, _now, fallocate, getpid, pthread_mutex_destroy,
+    pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock,
+)
+from kvcached._vmm cimport (
+    _OOM, _TOKEN_CLOSED, Backend, CudaBackend, HostBackend, VirtualRange, _fork_generation, _lifecycle_name,
+    _live_token, _raise_if_oom, _raise_unusable, check, check_os,
+)
+
+from kvcached.errors import KVCachedConfigError, MappingError, OutOfDeviceMemory
+
 # PageTable: what one page id maps, mapped all-or-nothing. See Note [Page table].
 
 cdef int _check_ranges_alive(list ranges) except -1:
@@ -8,61 +33,6 @@ cdef int _check_ranges_alive(list ranges) except -1:
             raise MappingError(f"{r!r} of this page table was freed; its addresses may belong to someone "
                                f"else now, so nothing is mapped or unmapped there")
     return 0
-
-
-cdef int _trim_handle_cache(Backend backend, int keep) except -1 nogil:
-    """Release cached handles from the top of the cache until `keep` remain.
-
-    A failed map recycles what it acquired: the cache hits go back where they were, but handles
-    it created would stay cached, holding memory the caller did not have before the call. They
-    were pushed last, so releasing the top down to the count seen at the start undoes exactly
-    them. See Note [Page table]. Runs on failure paths only, with the GIL: a handle whose release
-    fails stays cached (still counted), the rest are still released, and the first error is
-    raised at the end."""
-    with gil:
-        return _trim_handle_cache_gil(backend, keep)
-
-
-cdef int _trim_handle_cache_gil(Backend backend, int keep) except -1:
-    cdef uint64_t handle
-    cdef size_t size_bytes
-    cdef list kept = []
-    first = None
-    while True:
-        pthread_mutex_lock(&backend._lock)
-        if backend.cache_count <= keep:
-            pthread_mutex_unlock(&backend._lock)
-            break
-        backend.cache_count -= 1
-        handle = backend.cache_handles[backend.cache_count]
-        size_bytes = backend.cache_sizes[backend.cache_count]
-        backend.cached_bytes -= size_bytes
-        pthread_mutex_unlock(&backend._lock)
-        try:
-            backend._release_counted(handle, size_bytes)
-        except BaseException as exc:
-            first = exc if first is None else first
-            kept.append((handle, size_bytes))
-    for handle, size_bytes in kept:             # not released: back in the cache, still counted
-        pthread_mutex_lock(&backend._lock)
-        if backend.cache_count < _MAX_CACHED_HANDLES:
-            backend.cache_handles[backend.cache_count] = handle
-            backend.cache_sizes[backend.cache_count] = size_bytes
-            backend.cache_count += 1
-            backend.cached_bytes += size_bytes
-        pthread_mutex_unlock(&backend._lock)
-    if first is not None:
-        raise first
-    return 0
-
-
-cdef int _raise_if_oom(int rc, str what, size_t size_bytes) except -1 nogil:
-    """Turn the _OOM value into OutOfDeviceMemory where out of memory cannot be a value (undo
-    paths); returns rc otherwise."""
-    if rc != _OOM:
-        return rc
-    with gil:
-        raise OutOfDeviceMemory(what, 2, "out of memory", f"{size_bytes} bytes")
 
 
 cdef enum:
@@ -238,7 +208,7 @@ cdef class PageTable:
         pthread_mutex_lock(&self.lock)
         try:
             self._check_usable()
-            cached_before = self.backend.cache_count    # a racy read is fine: see _trim_handle_cache
+            cached_before = self.backend.cache_count    # a hint: see _undo_map
             try:
                 rc = self._map_forward(page_ids, n, &pages_done, &segments_done, &stage)
             finally:
@@ -260,7 +230,11 @@ cdef class PageTable:
             except BaseException as exc:
                 first = exc
             try:
-                _trim_handle_cache(self.backend, cached_before)
+                # The rollback recycled what the map acquired: cache hits went back where they
+                # were, but handles the map created would stay cached, holding memory the caller
+                # did not have before. They were pushed last, so the cache's top down to the
+                # count seen at the start is exactly them (a racy count only releases more).
+                self.backend.release_cached_above(cached_before)
             except BaseException as exc:
                 first = exc if first is None else first
                 self.num_rollback_failures += 1
@@ -590,71 +564,7 @@ cdef class PageTable:
         context per call, as map_pages does). Returns {"raw_map_us", "raw_unmap_us",
         "primitives_map_us"}: lists of µs per pass. The page table's state is not touched: the
         page id must be unmapped and the zero page off. Raises MappingError otherwise."""
-        cdef uint64_t* handles
-        cdef int s, r, got = 0, rc
-        cdef int nseg = self.num_segments
-        cdef size_t mb = self.map_bytes
-        cdef uintptr_t base
-        cdef double t0, t1, t2
-        cdef bint cuda = isinstance(self.backend, CudaBackend)
-        cdef CudaBackend cb = self.backend if cuda else None
-        self._check_usable()
-        if not 0 <= page_id < self.num_pages or self.mapped[page_id] or self.zero_page:
-            raise MappingError(f"driver_floor needs an unmapped page id in [0, {self.num_pages}) and no zero page")
-        _check_ranges_alive(self.ranges)
-        raw_map, raw_unmap, prim_map = [], [], []
-        handles = <uint64_t*>calloc(nseg, sizeof(uint64_t))
-        if handles == NULL:
-            raise MemoryError
-        try:
-            for s in range(nseg):
-                rc = self.backend.acquire_handle(mb, &handles[s])
-                if rc != 0:
-                    raise OutOfDeviceMemory("driver_floor", 2, "out of memory", f"{nseg} handles of {mb} bytes")
-                got += 1
-            for r in range(repeats):
-                with nogil:
-                    t0 = _now()
-                    if cuda:
-                        cb._bind()
-                        for s in range(nseg):
-                            base = self.segment_base[s] + <size_t>page_id * mb
-                            check(cydriver.cuMemMap(<cydriver.CUdeviceptr>base, mb, 0,
-                                                    <cydriver.CUmemGenericAllocationHandle>handles[s], 0), "cuMemMap")
-                            check(cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>base, mb, &cb.access_rw, 1),
-                                  "cuMemSetAccess")
-                    else:
-                        for s in range(nseg):
-                            base = self.segment_base[s] + <size_t>page_id * mb
-                            self.backend._map(base, mb, handles[s])
-                            self.backend._set_access(base, mb, True)
-                    t1 = _now()
-                    if cuda:
-                        cb._bind()
-                        for s in range(nseg):
-                            check(cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(self.segment_base[s] + <size_t>page_id * mb), mb),
-                                  "cuMemUnmap")
-                    else:
-                        for s in range(nseg):
-                            self.backend._unmap(self.segment_base[s] + <size_t>page_id * mb, mb)
-                    t2 = _now()
-                raw_map.append((t1 - t0) * 1e6)
-                raw_unmap.append((t2 - t1) * 1e6)
-                with nogil:
-                    t0 = _now()
-                    for s in range(nseg):
-                        base = self.segment_base[s] + <size_t>page_id * mb
-                        self.backend._map(base, mb, handles[s])
-                        self.backend._set_access(base, mb, True)
-                    t1 = _now()
-                    for s in range(nseg):
-                        self.backend._unmap(self.segment_base[s] + <size_t>page_id * mb, mb)
-                prim_map.append((t1 - t0) * 1e6)
-        finally:
-            for s in range(got):
-                self.backend.recycle_handle(handles[s], mb)
-            free(handles)
-        return {"raw_map_us": raw_map, "raw_unmap_us": raw_unmap, "primitives_map_us": prim_map}
+        return _driver_floor(self, page_id, repeats)
 
     def is_mapped(self, int page_id) -> bool:
         if not 0 <= page_id < self.num_pages:
@@ -754,6 +664,76 @@ cdef class PageTable:
             count += self.mapped[p] != 0
         assert count == self.num_mapped, f"num_mapped {self.num_mapped} != {count}"
         assert self.zero_page == (self.zero_handle != 0), f"zero_page {self.zero_page}, zero handle {self.zero_handle}"
+
+# -- benchmark hooks: never on a production path ----------------------------------------------
+
+cdef dict _driver_floor(PageTable table, int page_id, int repeats):
+    """PageTable.driver_floor: timers around bare driver calls, kept off the data path."""
+    cdef uint64_t* handles
+    cdef int s, r, got = 0, rc
+    cdef int nseg = table.num_segments
+    cdef size_t mb = table.map_bytes
+    cdef uintptr_t base
+    cdef double t0, t1, t2
+    cdef bint cuda = isinstance(table.backend, CudaBackend)
+    cdef CudaBackend cb = table.backend if cuda else None
+    table._check_usable()
+    if not 0 <= page_id < table.num_pages or table.mapped[page_id] or table.zero_page:
+        raise MappingError(f"driver_floor needs an unmapped page id in [0, {table.num_pages}) and no zero page")
+    _check_ranges_alive(table.ranges)
+    raw_map, raw_unmap, prim_map = [], [], []
+    handles = <uint64_t*>calloc(nseg, sizeof(uint64_t))
+    if handles == NULL:
+        raise MemoryError
+    try:
+        for s in range(nseg):
+            rc = table.backend.acquire_handle(mb, &handles[s])
+            if rc != 0:
+                raise OutOfDeviceMemory("driver_floor", 2, "out of memory", f"{nseg} handles of {mb} bytes")
+            got += 1
+        for r in range(repeats):
+            with nogil:
+                t0 = _now()
+                if cuda:
+                    cb._bind()
+                    for s in range(nseg):
+                        base = table.segment_base[s] + <size_t>page_id * mb
+                        check(cydriver.cuMemMap(<cydriver.CUdeviceptr>base, mb, 0,
+                                                <cydriver.CUmemGenericAllocationHandle>handles[s], 0), "cuMemMap")
+                        check(cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>base, mb, &cb.access_rw, 1),
+                              "cuMemSetAccess")
+                else:
+                    for s in range(nseg):
+                        base = table.segment_base[s] + <size_t>page_id * mb
+                        table.backend._map(base, mb, handles[s])
+                        table.backend._set_access(base, mb, True)
+                t1 = _now()
+                if cuda:
+                    cb._bind()
+                    for s in range(nseg):
+                        check(cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(table.segment_base[s] + <size_t>page_id * mb), mb),
+                              "cuMemUnmap")
+                else:
+                    for s in range(nseg):
+                        table.backend._unmap(table.segment_base[s] + <size_t>page_id * mb, mb)
+                t2 = _now()
+            raw_map.append((t1 - t0) * 1e6)
+            raw_unmap.append((t2 - t1) * 1e6)
+            with nogil:
+                t0 = _now()
+                for s in range(nseg):
+                    base = table.segment_base[s] + <size_t>page_id * mb
+                    table.backend._map(base, mb, handles[s])
+                    table.backend._set_access(base, mb, True)
+                t1 = _now()
+                for s in range(nseg):
+                    table.backend._unmap(table.segment_base[s] + <size_t>page_id * mb, mb)
+            prim_map.append((t1 - t0) * 1e6)
+    finally:
+        for s in range(got):
+            table.backend.recycle_handle(handles[s], mb)
+        free(handles)
+    return {"raw_map_us": raw_map, "raw_unmap_us": raw_unmap, "primitives_map_us": prim_map}
 
 # Note [Page table]
 # A page id is the unit the allocator hands out, and one page id may need several mappings
