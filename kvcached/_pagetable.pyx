@@ -12,13 +12,10 @@ from libc.stdlib cimport calloc, free, malloc
 
 from cuda.bindings cimport cydriver
 
-from kvcached._posix cimport (
-    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, _now, fallocate, getpid, pthread_mutex_destroy,
-    pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock,
-)
+from kvcached._posix cimport _now, getpid, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock
 from kvcached._vmm cimport (
-    _OOM, _TOKEN_CLOSED, Backend, CudaBackend, HostBackend, VirtualRange, _fork_generation, _lifecycle_name,
-    _live_token, _raise_if_oom, _raise_unusable, check, check_os,
+    _OOM, _TOKEN_CLOSED, Backend, CudaBackend, VirtualRange, _fork_generation, _lifecycle_name, _live_token,
+    _raise_if_oom, _raise_unusable, check,
 )
 
 from kvcached.errors import KVCachedConfigError, MappingError, OutOfDeviceMemory
@@ -117,18 +114,9 @@ cdef class PageTable:
             raise OutOfDeviceMemory("zero page", 2, "out of memory", f"{self.map_bytes} bytes for the shared zero page")
         self.zero_handle = handle
         self.zero_page = True
-        # The handle may come from the cache, holding a former page's data: zero it on both backends.
-        if isinstance(self.backend, CudaBackend):
-            address = self.segment_base[0]
-            _raise_if_oom(self.backend._map(address, self.map_bytes, handle), "cuMemMap", self.map_bytes)
-            try:
-                _raise_if_oom(self.backend._set_access(address, self.map_bytes, True), "cuMemSetAccess", self.map_bytes)
-                (<CudaBackend>self.backend).memset(address, 0, self.map_bytes)
-            finally:
-                self.backend._unmap(address, self.map_bytes)
-        elif isinstance(self.backend, HostBackend):
-            check_os(fallocate((<HostBackend>self.backend).fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                               <long>(handle - 1), <long>self.map_bytes) != 0, "fallocate(PUNCH_HOLE)")
+        # The handle may come from the cache, holding a former page's data: zero it (the CUDA
+        # backend maps it at the first segment's first page meanwhile, unmapped until below).
+        self.backend._zero_fill(handle, self.map_bytes, self.segment_base[0])
         with nogil:
             for p in range(self.num_pages):
                 for s in range(self.num_segments):

@@ -85,6 +85,8 @@ cdef class Backend:
     cdef int _fence_done(self, uintptr_t fence) except -1 nogil       # 1 done, 0 not yet, or raises
     cdef int _release_fence(self, uintptr_t fence) except -1 nogil    # 0, or raises; fence 0 is no fence
     cdef int _free_physical_bytes(self, size_t* free_bytes) except -1 nogil   # 0, or raises (a driver query: not hot)
+    cdef int _zero_fill(self, uint64_t handle, size_t size_bytes, uintptr_t address) except -1   # 0, or raises; `address`:
+                                                # a reserved, unmapped spot the CUDA backend maps the handle at meanwhile
     # shared: unmap, the handle cache (the one place its policy lives) and the counters
     cdef int _unmap(self, uintptr_t address, size_t size_bytes) except -1 nogil       # _unmap_status, raising (the mapping stays)
     cdef int acquire_handle(self, size_t size_bytes, uint64_t* handle) except -1 nogil   # 0 / _OOM (nothing taken), or raises

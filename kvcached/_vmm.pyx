@@ -273,6 +273,8 @@ cdef class Backend:
     cdef int _free_physical_bytes(self, size_t* free_bytes) except -1 nogil:
         with gil:
             raise NotImplementedError
+    cdef int _zero_fill(self, uint64_t handle, size_t size_bytes, uintptr_t address) except -1:
+        raise NotImplementedError
 
     # -- shared: unmap, the handle cache and the counters --------------------------------------
     cdef int _unmap(self, uintptr_t address, size_t size_bytes) except -1 nogil:
@@ -748,6 +750,16 @@ cdef class CudaBackend(Backend):
         self._bind()
         return check(cydriver.cuMemGetInfo(free_bytes, &total), "cuMemGetInfo")
 
+    cdef int _zero_fill(self, uint64_t handle, size_t size_bytes, uintptr_t address) except -1:
+        # mapped at `address` for the fill, unmapped again whatever happens
+        _raise_if_oom(self._map(address, size_bytes, handle), "cuMemMap", size_bytes)
+        try:
+            _raise_if_oom(self._set_access(address, size_bytes, True), "cuMemSetAccess", size_bytes)
+            self.memset(address, 0, size_bytes)
+        finally:
+            self._unmap(address, size_bytes)
+        return 0
+
     def memset(self, uintptr_t address, unsigned char value, size_t size_bytes):
         """Fill device memory synchronously (tests)."""
         with nogil:
@@ -907,6 +919,11 @@ cdef class HostBackend(Backend):
 
     cdef object _unmap_error(self, int code):
         return DriverError("mmap(unmap)", code, _os.strerror(code))
+
+    cdef int _zero_fill(self, uint64_t handle, size_t size_bytes, uintptr_t address) except -1:
+        # punching the slot's hole gives back its memory and reads as zeros
+        return check_os(fallocate(self.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, <long>(handle - 1),
+                                  <long>size_bytes) != 0, "fallocate(PUNCH_HOLE)")
 
     cdef int _free_physical_bytes(self, size_t* free_bytes) except -1 nogil:
         pthread_mutex_lock(&self._lock)
