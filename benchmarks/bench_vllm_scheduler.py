@@ -11,7 +11,7 @@ stop (the last 40 % of the steps drain), prompts share one of a few system promp
 caching on by default) and have a random suffix, outputs have random lengths.
 
 Measured over R rounds, each on a fresh Scheduler per pool; within a round the two pools run in
-lockstep, step i of one then step i of the other (the first pool alternating between rounds), so
+lockstep, step i of one then step i of the other (which goes first alternates every step), so
 load from other processes falls on both alike (--no-lockstep: one pool's pass, then the other's):
   time per step       schedule() and update_from_output(), µs, median and p90 over the steps
                       of all rounds, and over each step's best round (the steps are the same in
@@ -227,14 +227,16 @@ def run_round(pool: str, configs, arrivals: list[Arrival], steps: int, sample_me
 
 def run_lockstep(first: str, second: str, configs, arrivals: list[Arrival], steps: int) -> list[RoundResult]:
     """The two pools' passes in lockstep: step i of one, then step i of the other, so that both
-    see the same interference from the rest of the machine (the schedules are the same)."""
+    see the same interference from the rest of the machine (the schedules are the same). The
+    pool that goes first alternates every step: the second runs vLLM's code with warmer caches."""
     runs = [SchedulerRun(pool, configs, arrivals, steps) for pool in (first, second)]
     gc.collect()
     while not all(run.done for run in runs):
         for run in runs:
             if not run.done:
                 run.step()
-    return [run.result for run in runs]
+        runs.reverse()
+    return [run.result for run in (runs if runs[0].result.pool == first else runs[::-1])]
 
 
 # -- report ---------------------------------------------------------------------------------------
