@@ -265,8 +265,8 @@ class ElasticBlockPool(BlockPool):
             ids = self._alloc(n - len(blocks))
 
     def _unlink(self, blocks: list[KVCacheBlock]) -> None:
-        """Take free, unheld blocks out of vLLM's free queue: its remove(), inlined (this is the
-        allocation path; the queue is a linked list through the blocks' own fields)."""
+        """Take free, unheld blocks out of vLLM's free queue: its remove(), inlined. See Note
+        [Inlined vLLM paths]."""
         for block in blocks:
             prev_block, next_block = block.prev_free_block, block.next_free_block
             if prev_block is None or next_block is None:
@@ -278,8 +278,9 @@ class ElasticBlockPool(BlockPool):
         self._num_unheld_free -= len(blocks)
 
     def touch(self, blocks) -> None:
-        """vLLM's touch; a block that kvcached does not hold for this pool (a free, uncached
-        block taken as a hit, as connectors and vLLM's tests do) is claimed from it."""
+        """vLLM's touch (inlined: See Note [Inlined vLLM paths]); a block that kvcached does not
+        hold for this pool (a free, uncached block taken as a hit, as connectors and vLLM's tests
+        do) is claimed from it."""
         held, queue, metrics = self._held, self.free_block_queue, self.metrics_collector
         claim: list[int] = []
         for block in blocks:
@@ -347,7 +348,8 @@ class ElasticBlockPool(BlockPool):
         """vLLM's free, then the blocks that became free and hold no prefix-cache entry go back
         to kvcached (their pages unmap as they empty); under a deferred limit, free pages of
         cached blocks go back too. See Note [Held blocks]."""
-        # vLLM's free_blocks, inlined, with the blocks to give back picked in the same pass.
+        # vLLM's free_blocks, inlined, with the blocks to give back picked in the same pass:
+        # See Note [Inlined vLLM paths].
         evict_first: list[KVCacheBlock] = []
         evict_last: list[KVCacheBlock] = []
         released: list[int] = []
@@ -552,6 +554,16 @@ class ElasticBlockPool(BlockPool):
 # allocatable under a lowered limit or a taken budget, so the window matters only when the
 # allocation needs pages the shrink took away. Closing it needs kvcached to keep what it
 # promised (a reservation per count), which the manager does not offer.
+#
+# Note [Inlined vLLM paths]
+# vLLM's scheduler calls the pool ~50 times a step (get_num_free_blocks once per running
+# request). free_blocks, touch and the removal of fresh blocks from the free queue repeat vLLM
+# 0.33's own code (its linked free queue, ref_cnt, _block_hash) instead of calling it and then
+# walking the blocks again, and counters replace recounts (_num_unheld_free). At 05b2cad, with
+# vLLM's methods called underneath, a step took 1.07-1.10x stock's; with these paths 1.03-1.05x
+# (benchmarks/README.md). What is left is mostly kvcached's own calls: an available_size() per
+# count (Note [Honest free count]) and an alloc/free per allocation. version.py pins the minor
+# whose internals these paths repeat, and vLLM's own scheduler tests run against this pool.
 #
 # Note [Pool geometry]
 # vLLM builds its BlockPool from num_gpu_blocks alone, in the scheduler, after the worker made
