@@ -1,17 +1,20 @@
 """kvcached: an elastic KV cache for LLM serving on CUDA virtual memory.
 
-The layers, each calling only the ones below it (tests/test_layers.py checks the Python side)::
+The layers, each calling only the ones below it (tests/test_layers.py checks the imports)::
 
     ops/, serving/, integration/vllm/   applications: the public API only (this module, runtime,
                                         KVCacheManager, budget, mem_info_tracker)
     CLI              cli/kvctl.py, cli/kvtop.py   operators: read segments, request limits
     runtime          runtime.py            the one registry: backend, groups, managers
     manager          kv_cache_manager.py   engine-facing policy: limits, budget, publishing
-    block allocator  _block_allocator.pxi  block ids over pages          -+
-    page allocator   _page_allocator.pxi   free set, reserved pool, refill |  the compiled
-    page table       _page_table.pxi, _range.pxi   ranges, map/unmap    |  core, _core.pyx
-    backend          _backend.pxi, _driver.pxi     CUDA or host memory -+
+    tensor parallel  tp/                   rank 0's page tables mirrored on the other ranks
+    block allocator  _core.pyx (_block_allocator.pxi)   block ids over pages
+    page allocator   _core.pyx (_page_allocator.pxi)    free set, reserved pool, refill
+    page table       _pagetable.pyx        map/unmap all or nothing, rollback, zero page
+    backend          _vmm.pyx              checked driver calls, CUDA or host memory, the
+                                           handle cache, virtual ranges and DLPack
 
+Each compiled module cimports only the ones below it through their .pxd contracts.
 Beside them: layout.py (where each block lives in the ranges), mem_info_tracker.py and budget.py
 (shared-memory segments, over _shm.py), and errors, config, checks, sizes at the bottom.
 
@@ -31,6 +34,7 @@ from .errors import (
     KVCachedClosedError,
     KVCachedConfigError,
     KVCachedError,
+    KVCachedTPError,
     KVCachePoolExhausted,
     MappingError,
     OutOfDeviceMemory,
@@ -41,6 +45,7 @@ _LAZY = {
     "alloc_kv_cache": "runtime",
     "get_kv_cache_manager": "runtime",
     "shutdown_kvcached": "runtime",
+    "wait_for_scheduler": "runtime",
     "KVCacheManager": "kv_cache_manager",
 }
 
@@ -52,6 +57,7 @@ __all__ = sorted(_LAZY) + [
     "KVCachedClosedError",
     "KVCachedConfigError",
     "KVCachedError",
+    "KVCachedTPError",
     "KVCachePoolExhausted",
     "MappingError",
     "OutOfDeviceMemory",

@@ -25,7 +25,8 @@ from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigEr
 from .mem_info_tracker import I64_MAX, NO_LIMIT, MemInfoTracker, classify_limit_request
 
 if TYPE_CHECKING:
-    from ._core import BlockAllocator, PageAllocator, PageTable, _BlockAllocatorStats
+    from ._core import BlockAllocator, PageAllocator, _BlockAllocatorStats
+    from ._pagetable import PageTable
     from .budget import Budget
     from .layout import KVLayout
 
@@ -671,7 +672,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # After fork() every manager of the child is marked forked by an at-fork handler: every method
 # raises before taking any lock (a lock may have been held by a parent thread that does not exist
 # in the child), close() does nothing, and the Cython objects refuse every call by themselves
-# (Note [Fork and close] in _core), so neither the child's calls nor its exit handlers unmap,
+# (Note [Fork and close] in _vmm), so neither the child's calls nor its exit handlers unmap,
 # free or hand out the parent's pages.
 #
 # Note [Limits]

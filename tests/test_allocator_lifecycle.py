@@ -1,5 +1,5 @@
 """Lifecycle of the compiled core: a closed allocator refuses everything, and a forked child can
-neither use nor tear down what it inherited (Note [Fork and close] in _driver.pxi).
+neither use nor tear down what it inherited (Note [Fork and close] in _vmm.pyx).
 
 Real processes: the fork tests run a fresh interpreter that builds a stack, writes a pattern into
 its blocks, forks, and lets the child try everything (its exit, at-exit handlers included), then

@@ -1,6 +1,6 @@
 """Backend layer on the host backend: real mappings, real memory, faults seen in child processes.
 
-Mirrors kvcached/_backend.pxi: reserve / create / map / set access / unmap / release, the handle
+Mirrors kvcached/_vmm.pyx: reserve / create / map / set access / unmap / release, the handle
 cache, fault injection, out of memory, validation, and the no-driver path of CudaBackend.
 """
 

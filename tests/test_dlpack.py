@@ -1,4 +1,4 @@
-"""VirtualRange's zero-copy export to torch through DLPack, on the host backend (_range.pxi)."""
+"""VirtualRange's zero-copy export to torch through DLPack, on the host backend (_vmm.pyx)."""
 
 from __future__ import annotations
 

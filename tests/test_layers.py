@@ -1,14 +1,17 @@
 """The package's import graph follows its layers: no cycle, no import pointing up.
 
-The layer order is STYLE.md's: cli -> runtime -> kv_cache_manager -> layout, tp -> _core, with
-the shared-memory and utility modules below; ops, serving, integration and demo use only the public API. Parses the
-sources (every import statement, those inside functions included), so it imports nothing.
+The layer order is STYLE.md's: cli -> runtime -> kv_cache_manager -> layout, tp -> _core ->
+_pagetable -> _vmm (the compiled core, its .pyx/.pxd/.pxi read for import and cimport lines),
+with the shared-memory and utility modules below; ops, serving, integration and demo use only the
+public API. Parses the sources (every import statement, those inside functions included), so it
+imports nothing.
 """
 
 from __future__ import annotations
 
 import ast
 import graphlib
+import re
 from pathlib import Path
 
 import pytest
@@ -17,7 +20,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcached"
 
 # Bottom first; a module may import its own layer or any below it (cycles are checked apart).
 LAYERS = (
-    {"errors", "sizes", "checks", "config", "_shm", "_steps"},
+    {"errors", "sizes", "checks", "config", "_shm", "_steps", "_posix"},
+    {"_vmm"},
+    {"_pagetable"},
     {"_core", "mem_info_tracker", "budget"},
     {"layout", "tp"},                               # tp: the page-table mirror of tensor parallelism
     {"kv_cache_manager"},
@@ -40,9 +45,40 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+COMPILED = ("_vmm", "_pagetable", "_core")       # and _posix.pxd, declarations only
+# `from kvcached(.x) (c)import a, b`, `from . cimport x`, `(c)import kvcached.x`, `include "f.pxi"`
+_CYTHON_IMPORT = re.compile(r"^[ \t]*(?:from\s+(\.+[\w.]*|kvcached[\w.]*)\s+c?import\s+(\([\w\s,]+\)|[\w \t,]+)"
+                            r"|c?import\s+(kvcached[\w.]*)|include\s+\"(\w+\.pxi)\")", re.MULTILINE)
+
+
 def modules() -> dict[str, Path]:
     found = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    found["_core"] = PACKAGE / "_core.pyx"
+    for name in COMPILED:
+        found[name] = PACKAGE / f"{name}.pyx"
+    found["_posix"] = PACKAGE / "_posix.pxd"
+    return found
+
+
+def cython_sources(path: Path) -> list[Path]:
+    """A compiled module's .pyx, its .pxd contract and the .pxi files it includes."""
+    sources = list(dict.fromkeys([path, path.with_suffix(".pxd")]))
+    sources += [PACKAGE / m[4] for m in _CYTHON_IMPORT.finditer(path.read_text()) if m[4]]
+    return [p for p in sources if p.exists()]
+
+
+def cython_imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """imports_of for Cython: the kvcached modules its sources import or cimport."""
+    found: set[str] = set()
+    for source in cython_sources(path):
+        for m in _CYTHON_IMPORT.finditer(source.read_text()):
+            if m[4]:
+                continue
+            target = (m[1] or m[3]).removeprefix("kvcached").lstrip(".")
+            names = [n.strip() for n in (m[2] or "").strip("()").split(",") if n.strip()]
+            for alias in names or [""]:
+                sub = f"{target}.{alias}".strip(".")
+                found.add(sub if sub in known else target)
+    found.discard(name)
     return found
 
 
@@ -78,8 +114,8 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
 
 def graph() -> dict[str, set[str]]:
     known = modules()
-    return {name: imports_of(name, path, set(known)) for name, path in known.items()
-            if path.suffix == ".py"}
+    return {name: (imports_of if path.suffix == ".py" else cython_imports_of)(name, path, set(known))
+            for name, path in known.items()}
 
 
 def layer_of(name: str) -> int | None:
@@ -101,6 +137,8 @@ def test_the_parser_sees_known_edges():
     assert "_core" in edges["kv_cache_manager"]                     # inside a method
     assert {"budget", "mem_info_tracker"} <= edges["cli.kvctl"]
     assert "_shm" in edges["budget"]
+    assert {"_vmm", "_pagetable", "errors"} <= edges["_core"]       # cimports and imports, .pxd too
+    assert "_vmm" in edges["_pagetable"] and "checks" in edges["_core"]   # the latter in an included .pxi
 
 
 def test_no_import_cycle():

@@ -1,5 +1,5 @@
 """PageTable on the host backend: all-or-nothing map with rollback, zero page, validation, and a
-seeded model-based test of map/unmap over several segments (mirrors kvcached/_page_table.pxi)."""
+seeded model-based test of map/unmap over several segments (mirrors kvcached/_pagetable.pyx)."""
 
 from __future__ import annotations
 

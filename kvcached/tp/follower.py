@@ -39,7 +39,8 @@ from .channel import (
 )
 
 if TYPE_CHECKING:
-    from .._core import Backend, PageTable
+    from .._pagetable import PageTable
+    from .._vmm import Backend
 
 logger = logging.getLogger("kvcached")
 
