@@ -1,5 +1,6 @@
 # The C-level contract of kvcached._core, the hot path: PageAllocator (free set, reserved pool,
-# deferred unmap, the refill policy's thread) and BlockAllocator (free slots per page, best fit).
+# deferred unmap), RefillPolicy (its background thread, refill target, idle trim, budget gate)
+# and BlockAllocator (free slots per page, best fit).
 # Every field commented, every cdef's failure mode stated: `except -1` raises; out of memory is
 # the value _OOM (1, from _vmm), never an exception; `noexcept` is bookkeeping only (never a
 # driver call). It cimports _pagetable and _vmm, and nothing cimports it.
@@ -13,7 +14,7 @@ from kvcached cimport _vmm
 
 # Lock order (see Note [Allocator locks] in _block_allocator.pxi): BlockAllocator.lock ->
 # PageAllocator.map_lock -> PageAllocator.lock -> Backend._lock. Nothing is waited on in the
-# other direction.
+# other direction. RefillPolicy has no lock: its fields are guarded by its allocator's `lock`.
 
 cdef enum:
     _NEED_SLOW = 2      # a fast (GIL-held, driver-free) worker could not serve: retry the slow way
@@ -37,6 +38,47 @@ cdef enum:
     _BS_MARK = 4        # transient, inside free(): seen once in this call
 
 
+cdef class PageAllocator
+
+
+cdef class RefillPolicy:
+    # When the pool is refilled and trimmed; owned by one PageAllocator, which every method gets
+    # as `pa` (no reference back: Note [Refill policy]). Fields guarded by pa.lock unless noted.
+    cdef int creator_pid                        # process that made it (a forked child destroys nothing)
+    cdef pthread_cond_t wake                    # the background thread sleeps on it (with pa.lock)
+    cdef pthread_cond_t pool_cv                 # broadcast when a refill round pools a page or ends (with pa.lock)
+    cdef int min_reserved                       # the pool's floor: a round aims at least this high
+    cdef int refill_target                      # pool size a refill round aims at, in [min_reserved, pa.max_reserved]
+    cdef double idle_trim_s                     # trim the pool after this long without take/return; 0 off (unlocked)
+    cdef bint bg_refilling                      # a refill round runs: short callers wait for it (Note [Proactive refill])
+    cdef bint bg_running                        # the background thread is running (signal it)
+    cdef bint bg_stopping                       # stop() asked it to exit
+    cdef bint bg_backoff                        # its last refill failed: sleep a full period first
+    cdef bint idle_trimmed                      # pool trimmed (idle or trim()): no refill until activity
+    cdef uint64_t bg_seen_activity              # thread only: pa.activity when it last looked
+    cdef double bg_active_time                  # thread only: when it last saw pa.activity change
+    cdef bint has_gate                          # an external budget gate is set (changed under pa.map_lock and pa.lock)
+    cdef object gate_acquire                    # acquire(nbytes) -> bool, called before mapping (under pa.map_lock)
+    cdef object gate_release                    # release(nbytes), called after unmapping (under pa.map_lock)
+    cdef object thread                          # the threading.Thread, or None (GIL)
+    # counters, ever (pa.stats() reports them under the same names)
+    cdef uint64_t num_pool_waits                # takes that waited for a refill round's pages
+    cdef uint64_t num_idle_trims                # idle trims of the pool by the background thread
+    cdef uint64_t num_bg_rounds                 # rounds the background thread completed (tests wait on it)
+
+    # `noexcept` ones are bookkeeping; the others say what they raise
+    cdef void _wake_locked(self) noexcept nogil                             # signal the thread if it runs; hold pa.lock
+    cdef void _set_floor_locked(self, int min_reserved) noexcept nogil      # new min_reserved, target reset, wake; hold pa.lock
+    cdef bint _refill_covers(self, PageAllocator pa, int64_t need, bint by_weight) noexcept nogil   # the running round will cover `need`; hold pa.lock
+    cdef int _wait_for_refill(self, PageAllocator pa, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil  # 0 / _NEED_SLOW; takes pa.lock
+    cdef int _gate_acquire(self, int n, size_t page_bytes) except -1 nogil  # 1 granted, 0 refused, or raises what the gate raised
+    cdef int _gate_release(self, int n, size_t page_bytes) except -1 nogil  # 0, or raises what the gate raised
+    cdef int _refill(self, PageAllocator pa) except -1 nogil                # 0, or raises (the round ends, waiters woken)
+    cdef int _bg_step(self, PageAllocator pa) except -1 nogil               # 0 go on, 1 exit, or raises (the thread backs off)
+    cdef int _start(self, PageAllocator pa) except -1                       # 0, or raises what Thread.start raised; GIL held
+    cdef int _stop(self, PageAllocator pa) except -1                        # 0, or raises what Thread.join raised; GIL held
+
+
 cdef class PageAllocator:
     cdef uint64_t live_token                    # Note [Fork and close]; _TOKEN_CLOSED after close()
     cdef int creator_pid                        # process that made it (a forked child touches nothing)
@@ -44,17 +86,11 @@ cdef class PageAllocator:
     cdef readonly _vmm.Backend backend          # the table's backend (fences, physical figures, handle cache)
     cdef pthread_mutex_t lock                   # state lock: everything below; never held across a driver or Python call
     cdef pthread_mutex_t map_lock               # serialises page-table calls (map/unmap); waited on only without the GIL
-    cdef pthread_cond_t wake                    # the background thread sleeps on it (with `lock`)
-    cdef pthread_cond_t pool_cv                 # broadcast when a refill round pools a page or ends (with `lock`)
+    cdef RefillPolicy policy                    # its refill policy: made in __cinit__, never None (Note [Refill policy])
     cdef readonly int num_table_pages           # the table's num_pages: capacity never exceeds it
     cdef readonly int capacity_pages            # page ids [0, capacity_pages) may be handed out
-    cdef readonly int min_reserved              # background thread keeps the pool at least this big
     cdef readonly int max_reserved              # returned pages beyond this many pooled ones are unmapped
-    cdef readonly int refill_target             # pool size a refill round aims at, in [min_reserved, max_reserved]
-    cdef bint bg_refilling                      # a refill round runs: short callers wait for it (Note [Proactive refill])
     cdef uint64_t pages_taken                   # pages handed out by take_pages / take_blocks, ever
-    cdef uint64_t num_pool_waits                # takes that waited for a refill round's pages
-    cdef readonly double idle_trim_s            # trim the pool after this long without take/return; 0 off
     cdef readonly int limit_pages               # in-use + pool never exceed it; -1 = no limit
     cdef public uintptr_t stream                # CUstream the fences of returned pages are recorded on
     cdef readonly size_t page_bytes             # physical bytes of one page id (all its segments)
@@ -85,18 +121,8 @@ cdef class PageAllocator:
     cdef size_t phys_snapshot                   # backend's free physical bytes when last asked
     cdef size_t phys_base                       # backend.physical_bytes at that moment
     cdef double phys_time                       # monotonic seconds of that snapshot
-    cdef bint has_gate                          # an external budget gate is set
-    cdef object gate_acquire                    # acquire(nbytes) -> bool, called before mapping
-    cdef object gate_release                    # release(nbytes), called after unmapping
-    cdef bint bg_running                        # the background thread is running (signal it)
-    cdef bint bg_stopping                       # stop() asked it to exit
-    cdef bint bg_backoff                        # its last refill failed: sleep a full period first
-    cdef bint idle_trimmed                      # pool trimmed (idle or trim()): no refill until activity
-    cdef uint64_t activity                      # take/return calls, for the idle policy
-    cdef uint64_t bg_seen_activity              # background thread: `activity` when it last looked
-    cdef double bg_active_time                  # background thread: when it last saw activity change
-    cdef object thread                          # the threading.Thread, or None
-    cdef public object last_error               # last exception the background thread caught
+    cdef uint64_t activity                      # take/return calls (the policy's idle rule reads it)
+    cdef public object last_error               # last exception caught off the caller's path (thread, free)
     # counters, ever (stats() reports them under the same names)
     cdef uint64_t num_maps                      # page ids mapped
     cdef uint64_t num_unmaps                    # page ids unmapped
@@ -104,11 +130,9 @@ cdef class PageAllocator:
     cdef uint64_t num_slow_path                 # takes that took map_lock
     cdef uint64_t num_oom                       # takes that found too little (out of memory, limit, gate)
     cdef uint64_t num_fences                    # fences recorded for pending pages
-    cdef uint64_t num_idle_trims                # idle trims of the pool by the background thread
-    cdef uint64_t num_refills                   # refill chunks that mapped
+    cdef uint64_t num_refills                   # refill chunks that mapped (_map_into_pool)
     cdef uint64_t num_unmap_failures            # page unmaps the driver refused (each retried later)
     cdef uint64_t num_refill_failures           # refill chunks that could not map (out of memory, gate, error)
-    cdef uint64_t num_bg_rounds                 # rounds the background thread completed (tests wait on it)
 
     # the data path (callers: BlockAllocator, the manager); see each docstring for its locks
     cdef int take_pages(self, int n, int32_t* out) except -1 nogil                    # 0 / _OOM (nothing changed), or raises
@@ -135,14 +159,8 @@ cdef class PageAllocator:
     cdef int _drain(self, bint wait_all) except -1 nogil        # 0, or raises (what failed stays pending or retried)
     cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil   # 0, or raises past the unmap (ids settled anyway)
     cdef int _pool_out(self, int keep, int below) except -1 nogil    # 0, or raises as _unmap_ids
-    cdef int _refill(self) except -1 nogil                      # 0, or raises (the round ends, waiters woken)
-    cdef int _refill_chunk(self, int chunk) except -1 nogil     # pages pooled (0: nothing, or out of memory), or raises
-    cdef bint _refill_covers(self, int64_t need, bint by_weight) noexcept nogil   # the running round will cover `need`
-    cdef int _wait_for_refill(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil  # 0 / _NEED_SLOW
+    cdef int _map_into_pool(self, int chunk, bint* failed) except -1 nogil   # pages pooled (0: nothing, or failed[0] set), or raises
     cdef int _refresh_physical(self) except -1 nogil            # 0, or raises (a driver query)
-    cdef int _gate_acquire(self, int n) except -1 nogil         # 1 granted, 0 refused, or raises what the gate raised
-    cdef int _gate_release(self, int n) except -1 nogil         # 0, or raises what the gate raised
-    cdef int _bg_step(self) except -1 nogil                     # 0 go on, 1 exit, or raises (the thread backs off)
     cdef int _bind_weights(self, const int32_t* weights) except -1   # 0, or raises KVCachedConfigError (busy)
 
 

@@ -1,4 +1,4 @@
-"""Types of the Python-visible surface of kvcached._core (Cython): the page and block allocators.
+"""Types of the Python-visible surface of kvcached._core (Cython): the allocators and the refill policy.
 
 Only ``def`` methods, properties and ``readonly``/``public`` attributes are here: ``cdef`` methods
 are invisible to Python. Every class is a C extension type with its own fields (@disjoint_base:
@@ -174,6 +174,18 @@ class PageAllocator:
         """Copy of every page id's state: 0 outside, 1 free, 2 pool, 3 used, 4 pending, 5 transit."""
     def check_invariants(self) -> Literal[True]:
         """O(pages) consistency check; raises AssertionError naming the first broken invariant."""
+
+# -- refill policy -------------------------------------------------------------------------------
+
+@disjoint_base
+class RefillPolicy:
+    """A PageAllocator's refill policy: its background thread, refill target, idle trim, budget gate.
+
+    Made by its PageAllocator and used only through it (start, stop, set_idle_trim,
+    set_pool_bounds, set_budget_gate, stats); see Note [Refill policy] in _refill.pxi."""
+
+    def _run(self, pa: PageAllocator) -> None:
+        """The background thread's loop for `pa` (the Thread's target); returns once stopped."""
 
 # -- block allocator -----------------------------------------------------------------------------
 

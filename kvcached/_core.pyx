@@ -2,7 +2,9 @@
 """kvcached._core: the hot path the package is built around.
 
   _page_allocator.pxi  PageAllocator: free page ids, reserved pool, resize, limits, deferred
-                       unmap, and the refill policy's background thread
+                       unmap, and mapping a chunk into the pool
+  _refill.pxi          RefillPolicy: the background thread, its wake-up, the refill target,
+                       idle trim and the budget gate (Note [Refill policy])
   _block_allocator.pxi BlockAllocator: free slots per page, best fit, per-block allocated bit
 
 It stands on the two layers below, each its own extension module with a .pxd contract:
@@ -53,4 +55,5 @@ from kvcached._vmm import (  # noqa: F401
 from kvcached._pagetable import PageTable  # noqa: F401
 
 include "_page_allocator.pxi"
+include "_refill.pxi"
 include "_block_allocator.pxi"

@@ -1,6 +1,6 @@
-# PageAllocator: free page ids, the reserved pool, deferred unmap, resize, limits, the background
-# thread. See Note [Page allocator states], Note [Deferred unmap], Note [Failed unmap],
-# Note [Background thread].
+# PageAllocator: free page ids, the reserved pool, deferred unmap, resize, limits; the mechanisms
+# its RefillPolicy (_refill.pxi) drives. See Note [Page allocator states], Note [Deferred unmap],
+# Note [Failed unmap], Note [Refill policy].
 
 cdef int64_t _MAX_NEW_PAGES = (<int64_t>1) << 62
 
@@ -31,14 +31,9 @@ cdef class PageAllocator:
     """
 
     def __cinit__(self, *args, **kwargs):
-        cdef pthread_condattr_t attr
         pthread_mutex_init(&self.lock, NULL)
         pthread_mutex_init(&self.map_lock, NULL)
-        pthread_condattr_init(&attr)
-        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC)
-        pthread_cond_init(&self.wake, &attr)
-        pthread_cond_init(&self.pool_cv, &attr)
-        pthread_condattr_destroy(&attr)
+        self.policy = RefillPolicy.__new__(RefillPolicy)   # never None: the fast path reads it unchecked
         self.limit_pages = -1
         self.live_token = _live_token()
         self.creator_pid = getpid()
@@ -69,10 +64,10 @@ cdef class PageAllocator:
         self.backend = page_table.backend
         self.num_table_pages = P
         self.capacity_pages = capacity
-        self.min_reserved = min_reserved
         self.max_reserved = max_reserved
-        self.refill_target = min_reserved
-        self.idle_trim_s = idle_trim_s
+        self.policy.min_reserved = min_reserved
+        self.policy.refill_target = min_reserved
+        self.policy.idle_trim_s = idle_trim_s
         self.page_bytes = page_table.num_segments * page_table.map_bytes
         self.state = <uint8_t*>calloc(P, sizeof(uint8_t))
         self.weight = <int32_t*>malloc(P * sizeof(int32_t))
@@ -97,16 +92,13 @@ cdef class PageAllocator:
             self.state[p] = _PS_FREE
             self._fw_add(p, 1)
             self.num_free += 1
-        self.thread = None
-        self.gate_acquire = None
-        self.gate_release = None
         with nogil:
             pthread_mutex_lock(&self.map_lock)
             try:
                 self._refresh_physical()
             finally:
                 pthread_mutex_unlock(&self.map_lock)
-        self.bg_active_time = _now()
+        self.policy.bg_active_time = _now()
 
     def __dealloc__(self):
         cdef int i
@@ -128,8 +120,6 @@ cdef class PageAllocator:
         free(self.batch_count)
         free(self.scratch)
         if own:
-            pthread_cond_destroy(&self.wake)
-            pthread_cond_destroy(&self.pool_cv)
             pthread_mutex_destroy(&self.map_lock)
             pthread_mutex_destroy(&self.lock)
 
@@ -251,41 +241,10 @@ cdef class PageAllocator:
         self.num_pool_hits += 1
         self.pages_taken += k
         self.activity += 1
-        self.idle_trimmed = False
-        if self.bg_running and self.num_pool < self.refill_target:
-            pthread_cond_signal(&self.wake)
+        self.policy.idle_trimmed = False
+        if self.policy.bg_running and self.num_pool < self.policy.refill_target:
+            pthread_cond_signal(&self.policy.wake)
         return 0
-
-    cdef bint _refill_covers(self, int64_t need, bint by_weight) noexcept nogil:
-        # would the pool, once the running refill round reaches its target, hold `need`? (under
-        # lock; pages in transit are not counted, so it errs towards "no")
-        cdef int k = min(self.refill_target - self.num_pool, self.num_free)
-        if k <= 0:
-            return False
-        if by_weight:
-            return self.pool_weight + self._fw_weight_of_lowest(k) >= need
-        return self.num_pool + k >= need
-
-    cdef int _wait_for_refill(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil:
-        """The pool is short: while the background thread is refilling it and its round will
-        cover `need`, wait for its pages instead of mapping (Note [Proactive refill]). Returns 0
-        with the pages taken from the pool, or _NEED_SLOW (nothing taken: map them yourself).
-        Call without the GIL and without map_lock. Takes lock."""
-        cdef int rc = _NEED_SLOW
-        cdef bint waited = False
-        pthread_mutex_lock(&self.lock)
-        while self.bg_refilling and not self.bg_stopping:
-            if self._take_pool_locked(need, by_weight, out, n_out) == 0:
-                rc = 0
-                break
-            if not self._refill_covers(need, by_weight):
-                break
-            waited = True
-            pthread_cond_wait(&self.pool_cv, &self.lock)
-        if waited:
-            self.num_pool_waits += 1
-        pthread_mutex_unlock(&self.lock)
-        return rc
 
     cdef int take_pool(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil:
         """Pages holding `need` weight (blocks when by_weight, else pages) from the pool only.
@@ -324,7 +283,7 @@ cdef class PageAllocator:
             return 0
         if self.take_pool(need, by_weight, out, n_out) == 0:
             return 0
-        if self._wait_for_refill(need, by_weight, out, n_out) == 0:
+        if self.policy._wait_for_refill(self, need, by_weight, out, n_out) == 0:
             return 0
         self._check_usable()
         pthread_mutex_lock(&self.map_lock)
@@ -363,10 +322,10 @@ cdef class PageAllocator:
                 out[np + i] = p
             self.num_transit += k
             self.activity += 1
-            self.idle_trimmed = False
+            self.policy.idle_trimmed = False
             pthread_mutex_unlock(&self.lock)
             try:
-                if self._gate_acquire(k) == 0:
+                if self.policy._gate_acquire(k, self.page_bytes) == 0:
                     rc = _OOM
                 else:
                     gated = True
@@ -380,8 +339,8 @@ cdef class PageAllocator:
                     self.num_used += k
                     self.num_maps += k
                     self.pages_taken += np + k
-                    if self.bg_running and self.num_pool < self.refill_target:
-                        pthread_cond_signal(&self.wake)     # the slow path emptied the pool: refill now
+                    if self.policy.bg_running and self.num_pool < self.policy.refill_target:
+                        pthread_cond_signal(&self.policy.wake)     # the slow path emptied the pool: refill now
                     unmapped = 0
                 else:
                     unmapped = self._settle_failed_map(k, out + np)
@@ -391,7 +350,7 @@ cdef class PageAllocator:
                 self.num_transit -= k
                 pthread_mutex_unlock(&self.lock)
                 if gated and unmapped:
-                    self._gate_release(unmapped)
+                    self.policy._gate_release(unmapped, self.page_bytes)
             if rc != 0:
                 if np:      # returns may have filled the pool while we mapped: back within max_reserved
                     self._pool_out(self.max_reserved, self.num_table_pages)
@@ -414,7 +373,7 @@ cdef class PageAllocator:
         self._push_pool(n, ids)
         self.num_used -= n
         self.activity += 1
-        self.idle_trimmed = False
+        self.policy.idle_trimmed = False
         pthread_mutex_unlock(&self.lock)
         return 0
 
@@ -462,9 +421,8 @@ cdef class PageAllocator:
             self.num_fences += 1
         self.num_used -= n
         self.activity += 1
-        self.idle_trimmed = False
-        if self.bg_running:
-            pthread_cond_signal(&self.wake)
+        self.policy.idle_trimmed = False
+        self.policy._wake_locked()
         pthread_mutex_unlock(&self.lock)
         if n == k:
             self.backend._release_fence(fence)
@@ -538,7 +496,7 @@ cdef class PageAllocator:
             if unmapped < n:
                 self.num_unmap_failures += n - unmapped
             pthread_mutex_unlock(&self.lock)
-            self._gate_release(unmapped)
+            self.policy._gate_release(unmapped, self.page_bytes)
         return 0
 
     cdef int _drain(self, bint wait_all) except -1 nogil:
@@ -609,45 +567,12 @@ cdef class PageAllocator:
         pthread_mutex_unlock(&self.lock)
         return self._unmap_ids(n, self.scratch)
 
-    # -- the background thread's work ----------------------------------------------------------
-    cdef int _refill(self) except -1 nogil:
-        """One refill round: map free ids into the pool, one page per map_lock hold, up to
-        refill_target; then set the next round's target from the demand seen during this one.
-        Callers short of pages wait for it (bg_refilling). See Note [Proactive refill]."""
-        cdef uint64_t taken0, short0
-        cdef int got, chunk
-        pthread_mutex_lock(&self.lock)
-        if self.bg_stopping or self.idle_trimmed:
-            pthread_mutex_unlock(&self.lock)
-            return 0
-        taken0 = self.pages_taken
-        short0 = self.num_slow_path + self.num_pool_waits
-        self.bg_refilling = True
-        pthread_mutex_unlock(&self.lock)
-        # a mirrored table pays a message per map call: the whole round in one (Note [Proactive refill])
-        chunk = 1 if self.table.mirror is None else self.num_table_pages
-        try:
-            got = 1
-            while got > 0:
-                got = self._refill_chunk(chunk)
-        finally:
-            pthread_mutex_lock(&self.lock)
-            self.bg_refilling = False
-            if self.num_slow_path + self.num_pool_waits > short0:
-                # the pool ran short while we refilled: keep what was taken meanwhile in stock too
-                self.refill_target = <int>min(<uint64_t>self.max_reserved,
-                                              max(<uint64_t>self.refill_target,
-                                                  <uint64_t>self.min_reserved + self.pages_taken - taken0))
-            elif self.pages_taken == taken0:
-                self.refill_target = self.min_reserved       # demand stopped: back to the minimum
-            pthread_cond_broadcast(&self.pool_cv)
-            pthread_mutex_unlock(&self.lock)
-        return 0
-
-    cdef int _refill_chunk(self, int chunk) except -1 nogil:
-        """Map up to `chunk` free ids into the pool (towards refill_target), the driver call
-        outside `lock`; returns how many went into the pool (0: nothing to do, or out of memory,
-        which sets bg_backoff). Takes map_lock. See Note [Background thread]."""
+    # -- filling the pool (driven by the RefillPolicy) ----------------------------------------
+    cdef int _map_into_pool(self, int chunk, bint* failed) except -1 nogil:
+        """Map up to `chunk` free ids into the pool, towards the policy's refill_target (none
+        while it stops or the pool was trimmed), the driver call outside `lock`; returns how
+        many went into the pool (0: nothing to do, or out of memory / the gate refused, which
+        sets failed[0]). Takes map_lock. See Note [Background thread]."""
         cdef int k, i, fits = 0, rc = 0, unmapped = 0
         cdef bint finished = False, gated = False
         cdef int32_t p
@@ -655,8 +580,8 @@ cdef class PageAllocator:
         try:
             pthread_mutex_lock(&self.lock)
             k = 0
-            if not (self.bg_stopping or self.idle_trimmed):
-                k = min(self.refill_target - self.num_pool, self.num_free, chunk)
+            if not (self.policy.bg_stopping or self.policy.idle_trimmed):
+                k = min(self.policy.refill_target - self.num_pool, self.num_free, chunk)
                 if self.limit_pages >= 0:
                     k = min(k, self.limit_pages - self.num_used - self.num_pool - self.num_transit)
             if k <= 0:
@@ -671,7 +596,7 @@ cdef class PageAllocator:
             self.refill_transit += k
             pthread_mutex_unlock(&self.lock)
             try:
-                if self._gate_acquire(k) == 0:
+                if self.policy._gate_acquire(k, self.page_bytes) == 0:
                     rc = _OOM
                 else:
                     gated = True
@@ -693,15 +618,15 @@ cdef class PageAllocator:
                     self.num_maps += k
                     self.num_refills += 1
                     if fits:
-                        pthread_cond_broadcast(&self.pool_cv)
+                        pthread_cond_broadcast(&self.policy.pool_cv)
                 else:
                     unmapped = self._settle_failed_map(k, self.scratch)
                     self.num_transit -= k
                     self.num_refill_failures += 1
-                    self.bg_backoff = True
+                    failed[0] = True
                 pthread_mutex_unlock(&self.lock)
                 if gated and (not finished or rc != 0) and unmapped:
-                    self._gate_release(unmapped)
+                    self.policy._gate_release(unmapped, self.page_bytes)
             if rc != 0:
                 self._refresh_physical()
                 return 0
@@ -722,95 +647,6 @@ cdef class PageAllocator:
         self.phys_time = _now()
         pthread_mutex_unlock(&self.lock)
         return 0
-
-    cdef int _gate_acquire(self, int n) except -1 nogil:
-        if n <= 0 or not self.has_gate:
-            return 1
-        with gil:
-            return 1 if self.gate_acquire(<size_t>n * self.page_bytes) else 0
-
-    cdef int _gate_release(self, int n) except -1 nogil:
-        if n <= 0 or not self.has_gate:
-            return 0
-        with gil:
-            self.gate_release(<size_t>n * self.page_bytes)
-        return 0
-
-    cdef int _bg_step(self) except -1 nogil:
-        """One round of the background thread: sleep until woken or a period passes, then drain,
-        apply the idle policy or refill, refresh the physical figure. Returns 1 to exit."""
-        cdef double now, period
-        cdef timespec deadline
-        cdef bint want, idle
-        cdef uint64_t act
-        pthread_mutex_lock(&self.lock)
-        if not self.bg_stopping:
-            want = (not self.idle_trimmed and self.num_pool < self.refill_target and self.num_free > 0
-                    and (self.limit_pages < 0
-                         or self.num_used + self.num_pool + self.num_transit < self.limit_pages))
-            if self.bg_backoff or not want:
-                # pending fences and unmap retries are looked at every 10 ms, never in a busy loop
-                period = 0.01 if self.num_batches > 0 or self.num_retry > 0 else 0.1
-                if self.idle_trim_s > 0 and not self.idle_trimmed and self.num_pool > 0:
-                    period = max(0.001, min(period, self.bg_active_time + self.idle_trim_s - _now()))
-                clock_gettime(CLOCK_MONOTONIC, &deadline)
-                deadline.tv_sec += <long>period
-                deadline.tv_nsec += <long>((period - <long>period) * 1e9)
-                if deadline.tv_nsec >= 1000000000:
-                    deadline.tv_sec += 1
-                    deadline.tv_nsec -= 1000000000
-                pthread_cond_timedwait(&self.wake, &self.lock, &deadline)
-            self.bg_backoff = False
-        if self.bg_stopping:
-            pthread_mutex_unlock(&self.lock)
-            return 1
-        act = self.activity
-        idle = self.idle_trim_s > 0 and not self.idle_trimmed
-        pthread_mutex_unlock(&self.lock)
-        now = _now()
-        if act != self.bg_seen_activity:
-            self.bg_seen_activity = act
-            self.bg_active_time = now
-            idle = False
-        idle = idle and now - self.bg_active_time >= self.idle_trim_s
-        pthread_mutex_lock(&self.map_lock)
-        try:
-            self._drain(False)
-            if idle:
-                self._pool_out(0, self.num_table_pages)
-                self.backend.release_cached_above(0)
-                pthread_mutex_lock(&self.lock)
-                self.refill_target = self.min_reserved
-                if self.activity == act:
-                    self.idle_trimmed = True
-                self.num_idle_trims += 1
-                pthread_mutex_unlock(&self.lock)
-            if now - self.phys_time >= 0.005:
-                self._refresh_physical()
-        finally:
-            pthread_mutex_unlock(&self.map_lock)
-        if not idle:
-            self._refill()
-        pthread_mutex_lock(&self.lock)
-        self.num_bg_rounds += 1
-        pthread_mutex_unlock(&self.lock)
-        return 0
-
-    def _run(self):
-        # The whole loop runs without the GIL (taking it back after every round would make the
-        # thread wait a switch interval behind a busy Python caller); only errors come back here.
-        while True:
-            try:
-                with nogil:
-                    while self._bg_step() == 0:
-                        pass
-                return
-            except BaseException as exc:  # keep serving; the owner reads last_error
-                self.last_error = exc
-                with nogil:
-                    pthread_mutex_lock(&self.lock)
-                    self.bg_backoff = True
-                    pthread_mutex_unlock(&self.lock)
 
     # -- the weights (BlockAllocator) ---------------------------------------------------------
     cdef int _bind_weights(self, const int32_t* weights) except -1:
@@ -945,8 +781,7 @@ cdef class PageAllocator:
             finally:
                 pthread_mutex_unlock(&self.map_lock)
             pthread_mutex_lock(&self.lock)
-            if self.bg_running:
-                pthread_cond_signal(&self.wake)
+            self.policy._wake_locked()
             pthread_mutex_unlock(&self.lock)
 
     def set_pool_bounds(self, int min_reserved, int max_reserved):
@@ -960,11 +795,8 @@ cdef class PageAllocator:
             pthread_mutex_lock(&self.map_lock)
             try:
                 pthread_mutex_lock(&self.lock)
-                self.min_reserved = min_reserved
                 self.max_reserved = max_reserved
-                self.refill_target = min_reserved
-                if self.bg_running:
-                    pthread_cond_signal(&self.wake)
+                self.policy._set_floor_locked(min_reserved)
                 pthread_mutex_unlock(&self.lock)
                 self._pool_out(max_reserved, self.num_table_pages)
             finally:
@@ -974,7 +806,7 @@ cdef class PageAllocator:
         self._check_usable()
         if idle_trim_s < 0:
             raise KVCachedConfigError(f"idle_trim_s={idle_trim_s} must be >= 0 (0 disables idle trimming).")
-        self.idle_trim_s = idle_trim_s
+        self.policy.idle_trim_s = idle_trim_s
 
     def set_budget_gate(self, acquire=None, release=None):
         """An external budget: `acquire(nbytes) -> bool` before mapping (False = out of memory),
@@ -985,9 +817,9 @@ cdef class PageAllocator:
             raise KVCachedConfigError("set_budget_gate needs two callables (acquire, release), or neither")
         with nogil:
             pthread_mutex_lock(&self.map_lock)
-        self.gate_acquire = acquire
-        self.gate_release = release
-        self.has_gate = acquire is not None
+        self.policy.gate_acquire = acquire
+        self.policy.gate_release = release
+        self.policy.has_gate = acquire is not None
         pthread_mutex_unlock(&self.map_lock)
 
     def resize(self, int num_pages) -> bool:
@@ -1023,8 +855,7 @@ cdef class PageAllocator:
                     for p in range(old, num_pages):
                         if self.state[p] == _PS_OUTSIDE:
                             self._release_page(p)
-                    if self.bg_running:
-                        pthread_cond_signal(&self.wake)
+                    self.policy._wake_locked()
                 pthread_mutex_unlock(&self.lock)
                 if not busy and num_pages < old:
                     self._pool_out(self.max_reserved, num_pages)
@@ -1044,7 +875,7 @@ cdef class PageAllocator:
                 self._pool_out(0, self.num_table_pages)
                 self.backend.release_cached_above(0)
                 pthread_mutex_lock(&self.lock)
-                self.idle_trimmed = True
+                self.policy.idle_trimmed = True
                 pthread_mutex_unlock(&self.lock)
             finally:
                 pthread_mutex_unlock(&self.map_lock)
@@ -1072,32 +903,31 @@ cdef class PageAllocator:
     def start(self):
         """Start the background thread (daemon). No-op when it runs."""
         self._check_usable()
-        if self.thread is not None:
-            return
-        self.bg_stopping = False
-        self.bg_running = True
-        self.thread = _threading.Thread(target=self._run, name="kvcached-page-allocator", daemon=True)
-        self.thread.start()
+        self.policy._start(self)
 
     def stop(self):
         """Stop the background thread and wait for it (it exits within one driver batch). Does
         nothing in a forked child (the thread is not there)."""
-        thread = self.thread
-        if thread is None or getpid() != self.creator_pid:
-            return
-        with nogil:
-            pthread_mutex_lock(&self.lock)
-            self.bg_stopping = True
-            pthread_cond_signal(&self.wake)
-            pthread_cond_broadcast(&self.pool_cv)
-            pthread_mutex_unlock(&self.lock)
-        thread.join()
-        self.thread = None
-        self.bg_running = False
+        self.policy._stop(self)
 
     @property
     def running(self) -> bool:
-        return self.thread is not None
+        return self.policy.thread is not None
+
+    @property
+    def min_reserved(self) -> int:
+        """The background thread keeps the pool at least this big (pages)."""
+        return self.policy.min_reserved
+
+    @property
+    def refill_target(self) -> int:
+        """Pool size a refill round aims at, in [min_reserved, max_reserved]."""
+        return self.policy.refill_target
+
+    @property
+    def idle_trim_s(self) -> float:
+        """Trim the pool after this many seconds without take/return; 0 off."""
+        return self.policy.idle_trim_s
 
     def close(self):
         """Stop the thread, wait for pending fences, unmap the pool and the pending pages, drop
@@ -1116,10 +946,10 @@ cdef class PageAllocator:
                 pthread_mutex_lock(&self.map_lock)
                 pthread_mutex_lock(&self.lock)
                 self.live_token = _TOKEN_CLOSED
-                self.has_gate = False
+                self.policy.has_gate = False
                 pthread_mutex_unlock(&self.lock)
-            self.gate_acquire = None
-            self.gate_release = None
+            self.policy.gate_acquire = None
+            self.policy.gate_release = None
             pthread_mutex_unlock(&self.map_lock)
 
     def stats(self) -> dict:
@@ -1133,18 +963,18 @@ cdef class PageAllocator:
             v[0] = self.capacity_pages; v[1] = self.num_free; v[2] = self.num_used; v[3] = self.num_pool
             v[4] = self.num_pending; v[5] = self.num_transit; v[6] = self.limit_pages; v[7] = self.table.num_mapped
             c[0] = self.num_maps; c[1] = self.num_unmaps; c[2] = self.num_pool_hits; c[3] = self.num_slow_path
-            c[4] = self.num_oom; c[5] = self.num_fences; c[6] = self.num_idle_trims; c[7] = self.num_refills
+            c[4] = self.num_oom; c[5] = self.num_fences; c[6] = self.policy.num_idle_trims; c[7] = self.num_refills
             c[8] = self.activity; c[9] = <uint64_t>self.pool_weight
-            c[10] = self.num_pool_waits; c[11] = self.pages_taken; v[8] = self.refill_target
+            c[10] = self.policy.num_pool_waits; c[11] = self.pages_taken; v[8] = self.policy.refill_target
             v[9] = self.num_retry; c[12] = self.num_unmap_failures
-            c[13] = self.num_refill_failures; c[14] = self.num_bg_rounds
+            c[13] = self.num_refill_failures; c[14] = self.policy.num_bg_rounds
             phys = self.phys_snapshot
             pthread_mutex_unlock(&self.lock)
         return {
             "capacity_pages": v[0], "free": v[1], "in_use": v[2], "reserved": v[3],
             "pending_unmap": v[4], "transit": v[5], "limit_pages": v[6], "mapped": v[7],
             "reserved_weight": c[9], "free_physical_bytes": phys, "page_bytes": self.page_bytes,
-            "min_reserved": self.min_reserved, "max_reserved": self.max_reserved,
+            "min_reserved": self.policy.min_reserved, "max_reserved": self.max_reserved,
             "num_maps": c[0], "num_unmaps": c[1], "num_pool_hits": c[2], "num_slow_path": c[3],
             "num_oom": c[4], "num_fences": c[5], "num_idle_trims": c[6], "num_refills": c[7],
             "num_take_return": c[8], "num_pool_waits": c[10], "pages_taken": c[11],
@@ -1280,39 +1110,3 @@ cdef class PageAllocator:
 # and by the background thread every 10 ms while any are pending. Never a device synchronize. On the
 # host the fence is done at once and the same path unmaps immediately. Pages reused from the pool
 # need no fence: the engine orders a block's reuse after its last use, as with any cache.
-#
-# Note [Background thread]
-# The thread sleeps on a condition variable, woken when a take leaves the pool under
-# refill_target — the pool fast path and the slow path alike (a slow take empties the pool; not
-# waking there left the pool empty for half a period, 50 ms median on the H200, while every alloc
-# mapped pages itself) — on returns that queue pending pages, and on limit / resize / pool bounds
-# / stop; otherwise it wakes after 100 ms, or 10 ms while unmaps are pending or waiting for a retry
-# (Note [Failed unmap]). It never spins: with nothing to map it always sleeps. Each round: drain
-# done fences and retry failed unmaps; if idle_trim_s passed with no take/return, unmap the pool
-# and release cached handles (and do not refill until the next activity); otherwise refill the
-# pool towards refill_target (Note [Proactive refill]) — ids taken from the free set under `lock`,
-# mapped with only map_lock held, and pooled under `lock` again, keeping only what the limit and
-# max_reserved still allow. It refreshes the free-physical-memory figure at most every 5 ms, so
-# available_pages() never calls the driver. After a failed refill it sleeps one full period
-# before trying again. Tests wait on its counters (num_bg_rounds, num_refill_failures).
-#
-# Note [Proactive refill]
-# A caller that finds the pool short pays for a mapping (30 us on the H200 for one compound page,
-# 64x that per_layer), so the background thread works to keep that rare:
-#  - It refills towards `refill_target`, not just min_reserved: a round that saw callers go short
-#    (a slow take or a wait) raises the target by the pages taken during the round, up to
-#    max_reserved, so under sustained growth the stock covers what is consumed while one round
-#    maps; a round during which nothing was taken puts it back to min_reserved (so does an idle
-#    trim or set_pool_bounds). The pool never exceeds max_reserved, as before; it may sit above
-#    min_reserved after a burst until used or idle-trimmed.
-#  - A round maps one page per map_lock hold and pools it at once (broadcasting pool_cv), so a
-#    page is usable as soon as it is mapped, not when the whole round ends. Under a mirrored
-#    table (Note [Mirrored page table]) every map call costs a round trip to the peer ranks, so
-#    there a round maps all it needs in one call: one message per round, not one per page.
-#  - A caller short of pages while a round runs that will cover its need waits on pool_cv for the
-#    round's pages (num_pool_waits) instead of taking map_lock: before, it queued behind the
-#    round on map_lock, then re-took it ahead of the thread and mapped its own pages, so callers
-#    and the thread took turns and most of a ramp's allocs paid for a mapping. A round that fails
-#    or ends, and stop(), broadcast pool_cv, so a waiter then falls back to mapping itself.
-# Lock order is unchanged: the waiter holds only `lock` (released in the wait) and maybe the
-# BlockAllocator's lock, which the thread never takes.
