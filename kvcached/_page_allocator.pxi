@@ -21,7 +21,8 @@ cdef class PageAllocator:
     work queued before the return has finished), or outside (above capacity). The free set is a
     Fenwick tree rather than a plain stack so that the lowest ids go first (a shrink finds the top
     ids free more often) and so that "the weight of the next k pages" — the blocks they hold,
-    needed by available_blocks() — is an O(log pages) query.
+    needed by available_blocks() — is an O(log pages) query. When the pool is refilled or
+    trimmed is its RefillPolicy's decision; this class holds the mechanisms (Note [Refill policy]).
 
     Lock rule: ``lock`` guards the state and is never held across a driver or Python call, so it
     may be waited on with the GIL held; ``map_lock`` serialises every page-table call (the table is
