@@ -118,6 +118,7 @@ def role_fork() -> None:
     m.free(ids[150:])
     ids = ids[:150]
     kept_alloc, kept_free = m.alloc, m.free
+    m._pages.stop()                                 # the parent's refill thread would move its counters
     before = snapshot(m)
     holding, release = threading.Event(), threading.Event()
 
@@ -167,6 +168,7 @@ def role_fork() -> None:
     check(kv, ids)
     after = snapshot(m)
     assert after == before, f"the child's exit changed the parent's cache:\n{before}\n{after}"
+    m._pages.start()
     m.check_invariants()
     more = m.alloc(m.available_size())              # every other block is still the parent's to hand out
     assert more is not None and not set(more) & set(ids)
