@@ -57,6 +57,20 @@ KS = (1, 16, 256)
 # -- one manager per configuration ------------------------------------------------------------
 
 
+def use_settings(layout: str, pool: tuple[int, int] | None, **extra: str) -> None:
+    """Set KVCACHED_LAYOUT, the pool bounds (None: the defaults) and any `extra` variables, then
+    reload kvcached's settings."""
+    from kvcached import config
+
+    os.environ["KVCACHED_LAYOUT"] = layout
+    os.environ.update(extra)
+    for key in ("KVCACHED_MIN_RESERVED_PAGES", "KVCACHED_MAX_RESERVED_PAGES"):
+        os.environ.pop(key, None)
+    if pool is not None:
+        os.environ["KVCACHED_MIN_RESERVED_PAGES"], os.environ["KVCACHED_MAX_RESERVED_PAGES"] = map(str, pool)
+    config.reload_settings()
+
+
 class Instance:
     """init_kvcached + alloc_kv_cache + KVCacheManager for one layout and pool setting."""
 
@@ -64,17 +78,16 @@ class Instance:
                  num_blocks: int = NUM_BLOCKS):
         import torch
 
-        from kvcached import KVCacheManager, alloc_kv_cache, config, init_kvcached, shutdown_kvcached
+        from kvcached import (
+            KVCacheManager,
+            alloc_kv_cache,
+            init_kvcached,
+            shutdown_kvcached,
+        )
 
         self._shutdown = shutdown_kvcached
         shutdown_kvcached()
-        os.environ["KVCACHED_LAYOUT"] = layout
-        os.environ["KVCACHED_PAGE_SIZE_MB"] = "2"
-        for key in ("KVCACHED_MIN_RESERVED_PAGES", "KVCACHED_MAX_RESERVED_PAGES"):
-            os.environ.pop(key, None)
-        if pool is not None:
-            os.environ["KVCACHED_MIN_RESERVED_PAGES"], os.environ["KVCACHED_MAX_RESERVED_PAGES"] = map(str, pool)
-        config.reload_settings()
+        use_settings(layout, pool, KVCACHED_PAGE_SIZE_MB="2")
         gc.collect()
         dev = "cpu" if device == "cpu" else "cuda:0"
         init_kvcached(device=dev, host_capacity_bytes=HOST_CAPACITY if device == "cpu" else None)

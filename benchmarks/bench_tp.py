@@ -56,17 +56,11 @@ LABELS = {"map_us": "map one page id (µs)", "unmap_us": "unmap one page id (µs
 def _instance(rank: int, world: int, device: str, layout: str, pool: tuple[int, int] | None):
     """init_kvcached + alloc_kv_cache for this rank's shard (heads split over the ranks)."""
     import torch
+    from bench_manager import use_settings
 
-    from kvcached import alloc_kv_cache, config, init_kvcached
+    from kvcached import alloc_kv_cache, init_kvcached
 
-    os.environ["KVCACHED_LAYOUT"] = layout
-    os.environ["KVCACHED_TRACKER"] = "0"
-    os.environ["KVCACHED_IDLE_TRIM_S"] = "0"
-    for key in ("KVCACHED_MIN_RESERVED_PAGES", "KVCACHED_MAX_RESERVED_PAGES"):
-        os.environ.pop(key, None)
-    if pool is not None:
-        os.environ["KVCACHED_MIN_RESERVED_PAGES"], os.environ["KVCACHED_MAX_RESERVED_PAGES"] = map(str, pool)
-    config.reload_settings()
+    use_settings(layout, pool, KVCACHED_TRACKER="0", KVCACHED_IDLE_TRIM_S="0")
     dev = "cpu" if device == "cpu" else f"cuda:{rank}"
     heads = max(1, HEADS // world)
     blocks_per_page = PAGE_BYTES // (BLOCK_SIZE * heads * HEAD_DIM * 2)
