@@ -415,23 +415,32 @@ def test_a_touched_block_kvcached_cannot_back_now_is_borrowed_not_double_allocat
 
 # -- honest free count, limits, a shared budget -------------------------------------------------
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(held=st.integers(0, 6 * PER_PAGE), cached=st.integers(0, 100), limit_pages=st.integers(0, 9),
-       seed=st.integers(0, 2**32 - 1))
-def test_free_count_is_exactly_what_get_new_blocks_can_hand_out(kv, held, cached, limit_pages, seed):
+def pool_with_cached_free_blocks(held: int, cached: int, seed: int) -> ElasticBlockPool:
+    """A caching pool that took `held` blocks and freed half of them (shuffled by `seed`), the
+    first `cached` of them keeping a prefix-cache entry (free, held, counted as free)."""
     import random
 
     set_pool_geometry(SMALL_BLOCKS)
     pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
     try:
-        rng = random.Random(seed)
         blocks = pool.get_new_blocks(held)
-        rng.shuffle(blocks)
-        # Some freed blocks keep a prefix-cache entry (free, held, counted as free).
+        random.Random(seed).shuffle(blocks)
         for n, block in enumerate(blocks[:cached]):
             pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(b"h%d" % n), 0), block,
                                     num_tokens=TOKENS_PER_BLOCK)
         pool.free_blocks(blocks[:len(blocks) // 2])
+    except BaseException:
+        pool.close()
+        raise
+    return pool
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(held=st.integers(0, 6 * PER_PAGE), cached=st.integers(0, 100), limit_pages=st.integers(0, 9),
+       seed=st.integers(0, 2**32 - 1))
+def test_free_count_is_exactly_what_get_new_blocks_can_hand_out(kv, held, cached, limit_pages, seed):
+    pool = pool_with_cached_free_blocks(held, cached, seed)
+    try:
         pool.manager.set_memory_limit(limit_pages * PAGE, revision=1)
         num_free = pool.get_num_free_blocks()
         assert num_free <= pool.free_block_queue.num_free_blocks
@@ -455,18 +464,8 @@ def test_a_limit_lowered_between_the_count_and_the_allocation(kv, held, cached, 
     the race of Note [Honest free count]: get_new_blocks(n) for the count taken before succeeds
     exactly when the count taken after still covers n (falling back on held cached blocks), and
     otherwise raises ValueError with the pool, its free queue and kvcached unchanged."""
-    import random
-
-    set_pool_geometry(SMALL_BLOCKS)
-    pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
+    pool = pool_with_cached_free_blocks(held, cached, seed)
     try:
-        rng = random.Random(seed)
-        blocks = pool.get_new_blocks(held)
-        rng.shuffle(blocks)
-        for n, block in enumerate(blocks[:cached]):
-            pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(b"h%d" % n), 0), block,
-                                    num_tokens=TOKENS_PER_BLOCK)
-        pool.free_blocks(blocks[:len(blocks) // 2])
         wanted = min(pool.get_num_free_blocks(), extra)                 # vLLM's admission
         pool.manager.set_memory_limit(limit_pages * PAGE, revision=1)   # ... another thread, meanwhile
         covered = wanted <= pool.get_num_free_blocks()
