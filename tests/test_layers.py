@@ -66,6 +66,11 @@ def cython_sources(path: Path) -> list[Path]:
     return [p for p in sources if p.exists()]
 
 
+def imported(target: str, names: list[str], known: set[str]) -> set[str]:
+    """What `from target import names` imports: each name that is a module, else `target`."""
+    return {sub if (sub := f"{target}.{alias}".strip(".")) in known else target for alias in names}
+
+
 def cython_imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     """imports_of for Cython: the kvcached modules its sources import or cimport."""
     found: set[str] = set()
@@ -75,9 +80,7 @@ def cython_imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 continue
             target = (m[1] or m[3]).removeprefix("kvcached").lstrip(".")
             names = [n.strip() for n in (m[2] or "").strip("()").split(",") if n.strip()]
-            for alias in names or [""]:
-                sub = f"{target}.{alias}".strip(".")
-                found.add(sub if sub in known else target)
+            found |= imported(target, names or [""], known)
     found.discard(name)
     return found
 
@@ -87,12 +90,6 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     is_package = path.name == "__init__.py"
     here = name.split(".") if name else []
     found: set[str] = set()
-
-    def add(target: str, names: list[str]) -> None:
-        for alias in names:
-            sub = f"{target}.{alias}".lstrip(".")
-            found.add(sub if sub in known else target)
-
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
@@ -107,7 +104,7 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
                 target = node.module[len("kvcached"):].lstrip(".")
             else:
                 continue
-            add(target, [alias.name for alias in node.names])
+            found |= imported(target, [alias.name for alias in node.names], known)
     found.discard(name)
     return found
 
