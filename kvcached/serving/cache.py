@@ -114,16 +114,15 @@ class ElasticKVCache(PagedKVCache):
     def __init__(self, config, num_blocks: int, *, block_size: int = 16, dtype: torch.dtype = torch.float32,
                  device="cpu", kv_layout: str = "NHD", group_id: int = 0, pool_name: str | None = None):
         from kvcached import KVCacheManager, alloc_kv_cache
-        from kvcached.runtime import runtime
+        from kvcached.runtime import REGISTRY
 
         super().__init__(config, num_blocks, block_size, dtype, kv_layout)
-        rt = runtime()
-        self.tp_rank = rt.tp_rank if rt.world_size > 1 else 0
+        self.tp_rank = REGISTRY.tp_rank
         shape = _layer_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, kv_layout)
         self.kv = alloc_kv_cache(shape, self.block_size, dtype, str(device), self.num_layers, kv_layout=kv_layout,
                                  group_id=group_id)
         self.manager = None if self.tp_rank else KVCacheManager(
-            self.num_blocks, self.block_size, self.cell_bytes, self.num_layers, world_size=rt.world_size,
+            self.num_blocks, self.block_size, self.cell_bytes, self.num_layers, world_size=REGISTRY.world_size,
             group_id=group_id, pool_name=pool_name)
 
     def _scheduler(self):
