@@ -1,4 +1,4 @@
-"""Build kvcached's Cython extensions (_vmm, _pagetable, _core) against cuda-bindings' cydriver.
+"""Build kvcached's Cython extensions (_vmm, _pagetable, _pagealloc, _core) against cuda-bindings' cydriver.
 
 See Note [Which cuda.h] for how the header is chosen and why the pairing is checked here
 instead of failing deep inside the C++ compiler.
@@ -75,9 +75,9 @@ def find_cuda_include() -> str:
     )
 
 
-# The compiled core: three extension modules, each cimporting only the ones before it, each with
+# The compiled core: four extension modules, each cimporting only the ones before it, each with
 # a .pxd contract and a .pyi stub (shipped as package data).
-CORE_MODULES = ("_vmm", "_pagetable", "_core")
+CORE_MODULES = ("_vmm", "_pagetable", "_pagealloc", "_core")
 
 
 def extensions():

@@ -9,8 +9,8 @@ The layers, each calling only the ones below it (tests/test_layers.py checks the
     manager          kv_cache_manager.py   engine-facing policy: limits, budget, publishing
     tensor parallel  tp/                   rank 0's page tables mirrored on the other ranks
     block allocator  _core.pyx (_block_allocator.pxi)   block ids over pages
-    page allocator   _core.pyx (_page_allocator.pxi)    free set, reserved pool, deferred unmap
-    refill policy    _core.pyx (_refill.pxi)            background thread, refill target, idle trim
+    page allocator   _pagealloc.pyx (_page_allocator.pxi)  free set, reserved pool, deferred unmap
+    refill policy    _pagealloc.pyx (_refill.pxi)          background thread, refill target, idle trim
     page table       _pagetable.pyx        map/unmap all or nothing, rollback, zero page
     backend          _vmm.pyx              checked driver calls, CUDA or host memory, the
                                            handle cache, virtual ranges and DLPack

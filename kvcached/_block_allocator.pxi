@@ -94,7 +94,7 @@ cdef class BlockAllocator:
         self.live_token = _live_token()
         self.creator_pid = getpid()
 
-    def __init__(self, PageAllocator pages not None, page_first_block, page_num_blocks, int64_t id_to_page_num,
+    def __init__(self, _pagealloc.PageAllocator pages not None, page_first_block, page_num_blocks, int64_t id_to_page_num,
                  int64_t id_to_page_den, int64_t max_block_id):
         """pages: a fresh PageAllocator (no page taken yet; the weights are bound here);
         page_first_block, page_num_blocks: one entry per page id of its table; block b lies in
@@ -190,7 +190,7 @@ cdef class BlockAllocator:
             pages._bind_weights(&w[0])
 
     @classmethod
-    def dense(cls, PageAllocator pages not None, int64_t block_bytes, page_bytes=None, max_block_id=None):
+    def dense(cls, _pagealloc.PageAllocator pages not None, int64_t block_bytes, page_bytes=None, max_block_id=None):
         """Dense ids: block b covers bytes [b * block_bytes, (b + 1) * block_bytes) of each buffer
         and page p the bytes [p * page_bytes, (p + 1) * page_bytes) (default: the table's
         map_bytes, i.e. one segment); blocks straddling two pages are never handed out.
@@ -208,7 +208,7 @@ cdef class BlockAllocator:
         return cls(pages, np.where(count > 0, first, 0), count, block_bytes, pb, top)
 
     @classmethod
-    def sparse(cls, PageAllocator pages not None, int ids_per_page, int blocks_per_page):
+    def sparse(cls, _pagealloc.PageAllocator pages not None, int ids_per_page, int blocks_per_page):
         """Sparse page-grouped ids: page p holds [p * ids_per_page, p * ids_per_page +
         blocks_per_page)."""
         import numpy as np

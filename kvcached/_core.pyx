@@ -1,16 +1,13 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
 """kvcached._core: the hot path the package is built around.
 
-  _page_allocator.pxi  PageAllocator: free page ids, reserved pool, resize, limits, deferred
-                       unmap, and mapping a chunk into the pool
-  _refill.pxi          RefillPolicy: the background thread, its wake-up, the refill target,
-                       idle trim and the budget gate (Note [Refill policy])
   _block_allocator.pxi BlockAllocator: free slots per page, best fit, per-block allocated bit
 
-It stands on the two layers below, each its own extension module with a .pxd contract:
-kvcached._pagetable (PageTable: what one page id maps, all-or-nothing) over kvcached._vmm
-(checked driver calls, the backends and their handle cache, VirtualRange). Calls into them are
-vtable calls through those contracts; nothing here touches their locks or the handle cache.
+It stands on the three layers below, each its own extension module with a .pxd contract:
+kvcached._pagealloc (PageAllocator: free page ids, reserved pool, deferred unmap, limits; its
+RefillPolicy) over kvcached._pagetable (PageTable: what one page id maps, all-or-nothing) over
+kvcached._vmm (checked driver calls, the backends and their handle cache, VirtualRange). Calls into
+them are vtable calls through those contracts; nothing here touches their locks.
 
 Glossary: range = virtual reservation; page = physical mapping unit (one page id backs one
 mapping per segment); block = KV slot; pool = mapped but unused pages.
@@ -23,22 +20,19 @@ For tools and tests, this module also re-exports the Python names of the layers 
 each name from the module that defines it.
 """
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy, memset
-from cpython.ref cimport Py_DECREF, Py_INCREF, Py_XDECREF, PyObject
+from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 
 from kvcached._posix cimport (
-    CLOCK_MONOTONIC, _now, clock_gettime, getpid, pthread_cond_broadcast, pthread_cond_destroy,
-    pthread_cond_init, pthread_cond_signal, pthread_cond_timedwait, pthread_cond_wait, pthread_condattr_destroy,
-    pthread_condattr_init, pthread_condattr_setclock, pthread_condattr_t, pthread_mutex_destroy, pthread_mutex_init,
-    pthread_mutex_lock, pthread_mutex_trylock, pthread_mutex_unlock, timespec, usleep,
+    getpid, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_trylock,
+    pthread_mutex_unlock,
 )
 from kvcached._vmm cimport _OOM, _TOKEN_CLOSED, _fork_generation, _lifecycle_name, _live_token, _raise_unusable
+from kvcached cimport _pagealloc
+from kvcached._pagealloc cimport _NEED_SLOW, _PS_USED, _max_new_pages
 
-import threading as _threading
-
-from kvcached.checks import as_int
 from kvcached.errors import BlockStateError, KVCachedConfigError, MappingError
 
 # The compiled core's Python surface in one namespace (tools and tests: `kvcached._core.X`).
@@ -53,7 +47,6 @@ from kvcached._vmm import (  # noqa: F401
     fork_generation,
 )
 from kvcached._pagetable import PageTable  # noqa: F401
+from kvcached._pagealloc import PageAllocator, RefillPolicy  # noqa: F401
 
-include "_page_allocator.pxi"
-include "_refill.pxi"
 include "_block_allocator.pxi"

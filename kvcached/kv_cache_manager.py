@@ -25,7 +25,8 @@ from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigEr
 from .mem_info_tracker import I64_MAX, NO_LIMIT, MemInfoTracker, classify_limit_request
 
 if TYPE_CHECKING:
-    from ._core import BlockAllocator, PageAllocator, _BlockAllocatorStats
+    from ._core import BlockAllocator, _BlockAllocatorStats
+    from ._pagealloc import PageAllocator
     from ._pagetable import PageTable
     from .budget import Budget
     from .layout import KVLayout
@@ -240,7 +241,8 @@ class KVCacheManager:
     def _build(self, settings: config.Settings, ipc_name: str | None, reserve_null_block: bool) -> None:
         """Make the allocators, the budget share and the tracker, then start the threads.
         Assumes the registry's lock; on an exception the caller tears down what exists."""
-        from ._core import BlockAllocator, PageAllocator
+        from ._core import BlockAllocator
+        from ._pagealloc import PageAllocator
 
         layout = self._group.layout
         self.layout = layout.name

@@ -1,7 +1,7 @@
 """The package's import graph follows its layers: no cycle, no import pointing up.
 
 The layer order is STYLE.md's: cli -> runtime -> kv_cache_manager -> layout, tp -> _core ->
-_pagetable -> _vmm (the compiled core, its .pyx/.pxd/.pxi read for import and cimport lines),
+_pagealloc -> _pagetable -> _vmm (the compiled core, its .pyx/.pxd/.pxi read for import and cimport lines),
 with the shared-memory and utility modules below; ops, serving, integration and demo use only the
 public API. Parses the sources (every import statement, those inside functions included), so it
 imports nothing.
@@ -23,6 +23,7 @@ LAYERS = (
     {"errors", "sizes", "checks", "config", "_shm", "_steps", "_posix"},
     {"_vmm"},
     {"_pagetable"},
+    {"_pagealloc"},
     {"_core", "mem_info_tracker", "budget"},
     {"layout", "tp"},                               # tp: the page-table mirror of tensor parallelism
     {"kv_cache_manager"},
@@ -45,7 +46,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-COMPILED = ("_vmm", "_pagetable", "_core")       # and _posix.pxd, declarations only
+COMPILED = ("_vmm", "_pagetable", "_pagealloc", "_core")       # and _posix.pxd, declarations only
 # `from kvcached(.x) (c)import a, b`, `from . cimport x`, `(c)import kvcached.x`, `include "f.pxi"`
 _CYTHON_IMPORT = re.compile(r"^[ \t]*(?:from\s+(\.+[\w.]*|kvcached[\w.]*)\s+c?import\s+(\([\w\s,]+\)|[\w \t,]+)"
                             r"|c?import\s+(kvcached[\w.]*)|include\s+\"(\w+\.pxi)\")", re.MULTILINE)
@@ -134,8 +135,8 @@ def test_the_parser_sees_known_edges():
     assert "_core" in edges["kv_cache_manager"]                     # inside a method
     assert {"budget", "mem_info_tracker"} <= edges["cli.kvctl"]
     assert "_shm" in edges["budget"]
-    assert {"_vmm", "_pagetable", "errors"} <= edges["_core"]       # cimports and imports, .pxd too
-    assert "_vmm" in edges["_pagetable"] and "checks" in edges["_core"]   # the latter in an included .pxi
+    assert {"_vmm", "_pagealloc", "errors"} <= edges["_core"]       # cimports and imports, .pxd too
+    assert "_vmm" in edges["_pagetable"] and "checks" in edges["_pagealloc"]   # the latter in an included .pxi
 
 
 def test_no_import_cycle():
