@@ -35,6 +35,7 @@ from _procs import unique_name
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
     get_request_block_hasher,
@@ -85,16 +86,19 @@ def kv(kv_env):
     disable()
 
 
-def _vllm_manager(num_blocks: int, *, elastic: bool, caching: bool = True) -> VllmKVCacheManager:
+def _vllm_manager(num_blocks: int, *, elastic: bool, caching: bool = True,
+                  metrics: bool = False) -> VllmKVCacheManager:
     """vLLM's scheduler-side KVCacheManager over one full-attention group, with vLLM's pool or
-    ours (built through enable(), the way the scheduler gets it)."""
+    ours (built through enable(), the way the scheduler gets it); metrics: a collector that
+    samples every block."""
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
         ["layer"], FullAttentionSpec(block_size=TOKENS_PER_BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])
     if elastic:
         enable(worker=False)
     try:
         manager = VllmKVCacheManager(config, max_model_len=4096, scheduler_block_size=TOKENS_PER_BLOCK,
-                                     hash_block_size=TOKENS_PER_BLOCK, enable_caching=caching)
+                                     hash_block_size=TOKENS_PER_BLOCK, enable_caching=caching,
+                                     metrics_collector=KVCacheMetricsCollector(sample_rate=1.0) if metrics else None)
     finally:
         disable()
     assert isinstance(manager.block_pool, ElasticBlockPool) == elastic
@@ -291,6 +295,10 @@ def _lockstep(stock: VllmKVCacheManager, elastic: VllmKVCacheManager, ops, *, sa
             assert elastic.reset_prefix_cache() == stock.reset_prefix_cache()
         assert pool.get_num_free_blocks() == stock.block_pool.get_num_free_blocks()
         assert pool.get_usage() == stock.block_pool.get_usage()
+        if same_ids and pool.metrics_collector is not None:     # blocks allocated and not evicted since
+            seen, expected_seen = pool.metrics_collector, stock.block_pool.metrics_collector
+            assert set(seen.block_metrics) == set(expected_seen.block_metrics), f"step {n}"
+            assert len(seen.drain_events()) == len(expected_seen.drain_events()), f"step {n}"
         if same_ids:
             assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == \
                    [b.block_id for b in stock.block_pool.free_block_queue.get_all_free_blocks()]
@@ -303,12 +311,13 @@ def _lockstep(stock: VllmKVCacheManager, elastic: VllmKVCacheManager, ops, *, sa
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(ops=steps, caching=st.booleans())
-def test_one_page_pool_hands_out_exactly_vllms_ids(kv, ops, caching):
+@given(ops=steps, caching=st.booleans(), metrics=st.booleans())
+def test_one_page_pool_hands_out_exactly_vllms_ids(kv, ops, caching, metrics):
     """Within one kvcached page (the standalone geometry: 1024 blocks of 64 bytes a page here)
-    every id, free-queue order and prefix hit is vLLM's own."""
-    stock, elastic = _vllm_manager(40, elastic=False, caching=caching), _vllm_manager(40, elastic=True,
-                                                                                     caching=caching)
+    every id, free-queue order and prefix hit is vLLM's own, and a metrics collector hears of
+    the same allocations and evictions."""
+    stock, elastic = (_vllm_manager(40, elastic=elastic, caching=caching, metrics=metrics)
+                      for elastic in (False, True))
     try:
         _lockstep(stock, elastic, ops, same_ids=True)
     finally:
@@ -413,7 +422,73 @@ def test_a_touched_block_kvcached_cannot_back_now_is_borrowed_not_double_allocat
     pool.close()
 
 
+def test_unpinning_a_borrowed_block_leaves_a_plain_free_block(kv):
+    """A borrowed block that unpin_blocks frees is free in kvcached: counted as a free block
+    kvcached may hand out, and its reader hears of it when it is handed out."""
+    set_pool_geometry(SMALL_BLOCKS)
+    pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
+    pool.manager.set_memory_limit(PAGE, revision=1)          # only the null block's page
+    victim = pool.blocks[3 * PER_PAGE]
+    pool.touch([victim])
+    assert pool._borrowed == {victim.block_id}
+    reused: list = []
+    pool.unpin_blocks([victim], reused.append)
+    assert not pool._borrowed and victim.ref_cnt == 0
+    pool.check_invariants()
+    assert pool.get_num_free_blocks() == PER_PAGE - 1
+    pool.manager.set_memory_limit(-1, revision=2)
+    taken = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert victim in taken and reused == [victim]
+    pool.free_blocks(taken)
+    pool.check_invariants()
+    pool.close()
+
+
 # -- honest free count, limits, a shared budget -------------------------------------------------
+
+pool_ops = st.lists(st.one_of(
+    st.tuples(st.just("take"), st.integers(0, 3 * PER_PAGE)),     # up to that many, within the count
+    st.tuples(st.just("free"), st.integers(0, 10**6)),             # one reference of a block in use
+    st.tuples(st.just("cache"), st.integers(0, 10**6)),            # a prefix-cache entry for a block in use
+    st.tuples(st.just("touch"), st.integers(1, 8 * PER_PAGE - 1)),  # any block as a prefix hit
+    st.tuples(st.just("unpin"), st.integers(0, 10**6)),            # one reference, readable until reused
+    st.tuples(st.just("limit"), st.integers(-1, 8))), max_size=40)   # in pages, -1 none
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=pool_ops)
+def test_free_count_stays_exact_through_every_change_of_the_pool(kv, ops):
+    """Through blocks taken, freed, cached, touched as hits (free ones included: claimed or
+    borrowed), unpinned and limits moved, the count vLLM calls equals the general form after
+    every step (check_invariants; See Note [Free count binding]), and all of it can be taken."""
+    set_pool_geometry(SMALL_BLOCKS)
+    pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
+    in_use: list = []           # one entry per reference this test holds
+    try:
+        for n, op in enumerate(ops):
+            if op[0] == "take":
+                in_use += pool.get_new_blocks(min(op[1], pool.get_num_free_blocks()))
+            elif op[0] == "touch":
+                pool.touch([pool.blocks[op[1]]])
+                in_use.append(pool.blocks[op[1]])
+            elif op[0] == "limit":
+                pool.manager.set_memory_limit(op[1] * PAGE if op[1] >= 0 else -1, revision=n + 1)
+            elif in_use and op[0] == "cache":
+                pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(b"s%d" % n), 0),
+                                        in_use[op[1] % len(in_use)], num_tokens=TOKENS_PER_BLOCK)
+            elif in_use and op[0] == "free":
+                pool.free_blocks([in_use.pop(op[1] % len(in_use))])
+            elif in_use and op[0] == "unpin":
+                pool.unpin_blocks([in_use.pop(op[1] % len(in_use))], lambda block: None)
+            pool.check_invariants()
+        num_free = pool.get_num_free_blocks()
+        assert len(pool.get_new_blocks(num_free)) == num_free and pool.get_num_free_blocks() == 0
+        with pytest.raises(ValueError):
+            pool.get_new_blocks(1)
+        pool.check_invariants()
+    finally:
+        pool.close()
+
 
 def pool_with_cached_free_blocks(held: int, cached: int, seed: int) -> ElasticBlockPool:
     """A caching pool that took `held` blocks and freed half of them (shuffled by `seed`), the

@@ -16,7 +16,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from vllm.distributed.kv_events import MEDIUM_GPU
@@ -163,6 +163,7 @@ class ElasticBlockPool(BlockPool):
         self._limit_check_s = LIMIT_CHECK_S
         self._next_limit_check = 0.0
         self._finalizer = weakref.finalize(self, _close_manager, manager, num_gpu_blocks, standalone_group)
+        self._bind_count()
 
     def close(self) -> None:
         """Close the manager: every page of this pool is unmapped; the pool is unusable after."""
@@ -173,25 +174,44 @@ class ElasticBlockPool(BlockPool):
         """Free blocks that get_new_blocks can hand out now: the free ones this pool holds (cached
         ones included) plus what kvcached can allocate under its limit and budget.
         See Note [Honest free count]. O(log pages): one available_size() while some free block
-        is not held (counters only, no driver call), else one attribute read as vLLM's pool."""
+        is not held (counters only, no driver call), else one attribute read as vLLM's pool.
+
+        The general form; while no block is borrowed, the instance carries an equal and
+        shorter one (See Note [Free count binding])."""
         num_free = self.free_block_queue.num_free_blocks
         unheld = self._num_unheld_free
-        if unheld:
-            available = self._available_size()
-            if (available < unheld or self._borrowed) and not self._count_every_free_block:
-                # Ids of borrowed blocks are free in kvcached but kept for their borrowers.
-                share = available - len(self._borrowed)
-                return num_free - unheld + max(0, min(share, unheld))
-        return num_free
+        if not unheld or self._count_every_free_block:
+            return num_free
+        # Ids of borrowed blocks are free in kvcached but kept for their borrowers.
+        share = self._available_size() - len(self._borrowed)
+        return num_free - unheld + max(0, min(share, unheld))
+
+    def _count_with_held_free(self) -> int:
+        """get_num_free_blocks while no block is borrowed: kvcached's free ids are then exactly
+        the free blocks this pool does not hold, so available_size() never exceeds their number."""
+        return self.free_block_queue.num_free_blocks - self._num_unheld_free + self._available_size()
+
+    def _bind_count(self) -> None:
+        """Bind get_num_free_blocks to its shortest exact form for the pool's state now: See Note
+        [Free count binding]. Every method that makes held free blocks appear or all go, or
+        changes the borrowed blocks, calls it before returning."""
+        if self._borrowed or self._count_every_free_block:
+            self.__dict__.pop("get_num_free_blocks", None)      # the general form, the class's
+        elif self.free_block_queue.num_free_blocks == self._num_unheld_free:
+            self.get_num_free_blocks = self._available_size     # type: ignore[method-assign]
+        else:
+            self.get_num_free_blocks = self._count_with_held_free   # type: ignore[method-assign]
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset, with blocks in use counted from the free queue rather than from the
         (limit-dependent) free count, so that a limit does not make the reset refuse."""
         self._count_every_free_block = True
+        self._bind_count()
         try:
             return super().reset_prefix_cache()
         finally:
             self._count_every_free_block = False
+            self._bind_count()
 
     # -- allocation ------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -199,83 +219,92 @@ class ElasticBlockPool(BlockPool):
         pool holds, in free-queue order (evicting their prefix-cache entries).
 
         Raises ValueError, as vLLM's pool does, when num_blocks > get_num_free_blocks(); nothing
-        is changed then."""
+        is changed then. O(num_blocks) with one alloc when kvcached has them all (that it hands
+        them out proves the count covers them, so none is taken), else a count first, and a walk
+        of the free queue for held blocks."""
+        if num_blocks <= self._num_unheld_free and not self._borrowed and not self.metrics_collector:
+            ids = self._alloc(num_blocks)
+            if ids is not None:
+                blocks = self._take_fresh(ids)
+                if self._reuse_watchers:
+                    self._notify_reuse(blocks)
+                return blocks
+        return self._get_new_blocks_counted(num_blocks)
+
+    def _get_new_blocks_counted(self, num_blocks: int) -> list[KVCacheBlock]:
+        """get_new_blocks when kvcached alone does not cover it (its limit or budget, too few
+        free blocks not held, borrowed blocks) or a metrics collector listens."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         unheld = self._num_unheld_free
         blocks = self._take_unheld(min(num_blocks, unheld)) if unheld else []
         num_fresh = len(blocks)         # fresh from kvcached: never cached (Note [Held blocks])
+        evict = self._maybe_evict_cached_block if self.enable_caching else None
         if num_fresh < num_blocks:
             held = self._held_free_blocks(num_blocks - num_fresh)
             if held is None:            # kvcached's share shrank since the count: See Note [Honest free count]
                 self._give_back(blocks)
                 raise ValueError(f"Cannot get {num_blocks} free blocks from the pool (its memory limit or "
                                  f"budget shrank meanwhile)")
+            queue = self.free_block_queue
             for block in held:
-                self.free_block_queue.remove(block)
-            blocks += held
-        if self._reuse_watchers:
-            self._notify_reuse(blocks)
-        metrics = self.metrics_collector
-        if metrics or (self.enable_caching and num_fresh < num_blocks):
-            evict = self._maybe_evict_cached_block if self.enable_caching else None
-            for index, block in enumerate(blocks):
-                if evict is not None and (index >= num_fresh or metrics):
+                queue.remove(block)
+                if evict is not None:
                     evict(block)
                 assert block.ref_cnt == 0, f"block {block.block_id} handed out with ref_cnt {block.ref_cnt}"
                 block.ref_cnt = 1
-                if metrics:
-                    metrics.on_block_allocated(block)
-        else:
-            for block in blocks:
-                assert block.ref_cnt == 0, f"block {block.block_id} handed out with ref_cnt {block.ref_cnt}"
-                block.ref_cnt = 1
+            blocks += held
+            self._bind_count()
+        if self._reuse_watchers:
+            self._notify_reuse(blocks)
+        metrics = self.metrics_collector
+        if metrics:
+            for index, block in enumerate(blocks):
+                if evict is not None and index < num_fresh:     # vLLM's pool reports every block evicted
+                    evict(block)
+                metrics.on_block_allocated(block)
         return blocks
 
     def _take_unheld(self, n: int) -> list[KVCacheBlock]:
-        """Up to n blocks allocated from kvcached, taken out of the free queue (fewer, possibly
-        none, when its limit or budget stops it). A borrowed id kvcached hands out is kept for
-        its borrower (Note [Claiming a block]) and replaced by another."""
-        held, all_blocks, borrowed = self._held, self.blocks, self._borrowed
-        ids = self._alloc(n)
-        if ids is not None and not borrowed:         # the common case, in one call
-            for block_id in ids:
-                held[block_id] = 1
-            fresh = [all_blocks[i] for i in ids]
-            self._unlink(fresh)
-            return fresh
+        """Up to n blocks allocated from kvcached, taken out of the free queue with ref_cnt 1
+        (fewer, possibly none, when its limit or budget stops it)."""
         blocks: list[KVCacheBlock] = []
+        ids = self._alloc(n)
         while True:
             if ids is None:             # short of n: as many as kvcached can give now
                 want = min(n - len(blocks), self._available_size())
                 ids = self._alloc(want) if want > 0 else None
                 if ids is None:
                     return blocks
-            for block_id in ids:
-                held[block_id] = 1
-            if borrowed:
-                taken = [all_blocks[i] for i in ids if i not in borrowed]
-                borrowed.difference_update(ids)
-            else:
-                taken = [all_blocks[i] for i in ids]
-            self._unlink(taken)
-            blocks += taken
+            blocks += self._take_fresh(ids)
             if len(blocks) >= n:
                 return blocks
             ids = self._alloc(n - len(blocks))
 
-    def _unlink(self, blocks: list[KVCacheBlock]) -> None:
-        """Take free, unheld blocks out of vLLM's free queue: its remove(), inlined. See Note
-        [Inlined vLLM paths]."""
-        for block in blocks:
+    def _take_fresh(self, ids: list[int]) -> list[KVCacheBlock]:
+        """The blocks of ids, which kvcached has just allocated, taken out of vLLM's free queue
+        (its remove(), inlined: See Note [Inlined vLLM paths]) with ref_cnt 1. A borrowed id
+        among them is now held for its borrower and not handed out (Note [Claiming a block])."""
+        held, all_blocks, borrowed = self._held, self.blocks, self._borrowed
+        blocks: list[KVCacheBlock] = []
+        for block_id in ids:
+            held[block_id] = 1
+            if borrowed and block_id in borrowed:
+                borrowed.discard(block_id)
+                continue
+            block = all_blocks[block_id]
             prev_block, next_block = block.prev_free_block, block.next_free_block
             if prev_block is None or next_block is None:
-                raise RuntimeError(f"block {block.block_id} is not in the free queue")
+                raise RuntimeError(f"block {block_id} is not in the free queue")
             prev_block.next_free_block = next_block
             next_block.prev_free_block = prev_block
             block.prev_free_block = block.next_free_block = None
+            assert block.ref_cnt == 0, f"block {block_id} handed out with ref_cnt {block.ref_cnt}"
+            block.ref_cnt = 1
+            blocks.append(block)
         self.free_block_queue.num_free_blocks -= len(blocks)
         self._num_unheld_free -= len(blocks)
+        return blocks
 
     def touch(self, blocks) -> None:
         """vLLM's touch (inlined: See Note [Inlined vLLM paths]); a block that kvcached does not
@@ -283,11 +312,13 @@ class ElasticBlockPool(BlockPool):
         do) is claimed from it."""
         held, queue, metrics = self._held, self.free_block_queue, self.metrics_collector
         claim: list[int] = []
+        left_queue = False
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 queue.remove(block)
+                left_queue = True
                 if not held[block.block_id]:
                     claim.append(block.block_id)
             block.ref_cnt += 1
@@ -296,6 +327,19 @@ class ElasticBlockPool(BlockPool):
         if claim:
             self._num_unheld_free -= len(claim)
             self._claim(claim)
+        if left_queue:
+            self._bind_count()
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """vLLM's unpin_blocks; a borrowed block it frees is a plain free block again (kvcached
+        never held it for us), which kvcached may hand out next, and on_reuse hears of that."""
+        blocks = list(blocks)
+        super().unpin_blocks(blocks, on_reuse)
+        if self._borrowed:
+            for block in blocks:
+                if block.ref_cnt == 0 and block.block_id in self._borrowed:
+                    self._forget_borrowed(block)
+        self._bind_count()
 
     def _claim(self, block_ids: list[int]) -> None:
         """Make kvcached hold these ids (free in it, in use here). See Note [Claiming a block]."""
@@ -340,6 +384,7 @@ class ElasticBlockPool(BlockPool):
         self.manager.free([block.block_id for block in reversed(blocks)])
         for block in blocks:
             self._held[block.block_id] = 0
+            block.ref_cnt = 0
         self._num_unheld_free += len(blocks)
         self.free_block_queue.prepend_n(blocks)
 
@@ -363,8 +408,9 @@ class ElasticBlockPool(BlockPool):
             if pool is not self and pool is not None:
                 other_pools.setdefault(pool, []).append(block)
                 continue
-            block.ref_cnt -= 1
-            if block.ref_cnt:
+            ref_cnt = block.ref_cnt - 1
+            block.ref_cnt = ref_cnt
+            if ref_cnt:
                 continue
             if block._block_hash is None:
                 evict_first.append(block)
@@ -381,8 +427,6 @@ class ElasticBlockPool(BlockPool):
         queue = self.free_block_queue
         queue.prepend_n(evict_first)
         queue.append_n(evict_last)
-        for pool, pool_blocks in other_pools.items():
-            pool.free_blocks(pool_blocks)
         if self._borrowed:
             for block in evict_first + evict_last:
                 if block.block_id in self._borrowed:
@@ -391,6 +435,10 @@ class ElasticBlockPool(BlockPool):
             released.reverse()          # kvcached hands out the last freed id first
             self._free(released)
             self._num_unheld_free += len(released)
+        if len(released) != len(evict_first) + len(evict_last):    # held free blocks came, or borrowed went
+            self._bind_count()
+        for pool, pool_blocks in other_pools.items():
+            pool.free_blocks(pool_blocks)
         # With no held free block (no cache, nothing unpinned) no page can be idle.
         if not self.keep_idle_cached_pages and queue.num_free_blocks > self._num_unheld_free:
             self._release_idle_pages(evict_first + evict_last)
@@ -457,6 +505,7 @@ class ElasticBlockPool(BlockPool):
         self.free_block_queue.prepend_n(blocks)
         self.manager.free([block.block_id for block in reversed(blocks)])
         self._num_unheld_free += len(blocks)
+        self._bind_count()
 
     def _follow_limit(self) -> None:
         """While the manager's limit is deferred, give back free pages: looked at every
@@ -492,6 +541,9 @@ class ElasticBlockPool(BlockPool):
                 assert block.ref_cnt == 0 and block.block_hash is None, f"unheld block {block_id} in use or cached"
                 num_unheld_free += 1
         assert num_unheld_free == self._num_unheld_free, "count of free blocks not held"
+        # kvcached's free ids are the unheld free blocks and the borrowed ones: See Note [Free count binding].
+        assert self._available_size() <= num_unheld_free + len(self._borrowed), "kvcached offers more than it has"
+        assert self.get_num_free_blocks() == type(self).get_num_free_blocks(self), "bound free count differs"
         assert self.manager.stats()["allocated"] == num_held, "manager and pool disagree on held blocks"
         held_by_page: dict[int, int] = {}
         for block_id in range(self.num_gpu_blocks):
@@ -546,24 +598,44 @@ class ElasticBlockPool(BlockPool):
 # tracker's watcher thread, budget taken by another process, device memory taken by another
 # process as of the allocator's last look), and a count kept from an earlier call would turn
 # such a shrink into vLLM's uncaught ValueError. A shrink between vLLM's count and its
-# get_new_blocks is the one window left: get_new_blocks counts again first and raises, with
-# nothing changed, when the fresh count does not cover the request (vLLM's own pool raises
-# there too); a shrink inside get_new_blocks, after that count, is covered from held free
-# (cached) blocks, and only if those fall short does it raise, having given back what it took.
-# Only new pages are refused: blocks in pages already mapped and the reserved pool stay
+# get_new_blocks is the one window left: get_new_blocks first asks kvcached for all the blocks
+# at once (which succeeds only if a fresh count would cover them), else counts again and
+# raises, with nothing changed, when the fresh count does not cover the request (vLLM's own
+# pool raises there too); a shrink inside get_new_blocks, after that count, is covered from
+# held free (cached) blocks, and only if those fall short does it raise, having given back what
+# it took. Only new pages are refused: blocks in pages already mapped and the reserved pool stay
 # allocatable under a lowered limit or a taken budget, so the window matters only when the
 # allocation needs pages the shrink took away. Closing it needs kvcached to keep what it
 # promised (a reservation per count), which the manager does not offer.
 #
+# Note [Free count binding]
+# The count needs one available_size() per call (Note [Honest free count]); what can go is the
+# Python around it. While no block is borrowed, kvcached's free ids are exactly the free blocks
+# this pool does not hold, so available_size() never exceeds their number and the count is the
+# held free blocks plus available_size(); with no held free block (no prefix caching, nothing
+# unpinned) it is available_size() itself. The instance attribute get_num_free_blocks is bound
+# to the manager's available_size then (vLLM's call runs no Python frame of ours), else to
+# _count_with_held_free; the class's method is the general form (borrowed blocks, the reset's
+# count). Measured in the middle of the benchmark's stream (no caching): 62 ns a count against
+# vLLM's 38 and 157-241 ns for the general form. Whatever can make held free blocks appear or
+# all go, or change the borrowed blocks, rebinds before it returns: free_blocks (when a freed
+# block stays held or was borrowed), touch, unpin_blocks, get_new_blocks when it takes held
+# blocks, _release and reset_prefix_cache; taking fresh blocks or giving them back changes
+# neither. check_invariants compares the bound count with the general one (the model-based
+# tests call it after every step).
+#
 # Note [Inlined vLLM paths]
-# vLLM's scheduler calls the pool ~50 times a step (get_num_free_blocks once per running
-# request). free_blocks, touch and the removal of fresh blocks from the free queue repeat vLLM
-# 0.33's own code (its linked free queue, ref_cnt, _block_hash) instead of calling it and then
-# walking the blocks again, and counters replace recounts (_num_unheld_free). At 05b2cad, with
-# vLLM's methods called underneath, a step took 1.07-1.10x stock's; with these paths 1.03-1.05x
-# (benchmarks/README.md). What is left is mostly kvcached's own calls: an available_size() per
-# count (Note [Honest free count]) and an alloc/free per allocation. version.py pins the minor
-# whose internals these paths repeat, and vLLM's own scheduler tests run against this pool.
+# vLLM's scheduler calls the pool ~55 times a step (get_num_free_blocks once per running
+# request, get_new_blocks ~3 times, almost always for one block). free_blocks, touch and the
+# taking of fresh blocks repeat vLLM 0.33's own code (its linked free queue, ref_cnt,
+# _block_hash) instead of calling it and then walking the blocks again, counters replace
+# recounts (_num_unheld_free), and get_new_blocks takes fresh blocks with one alloc and no count
+# when kvcached has them all. At 05b2cad, with vLLM's methods called underneath, a step took
+# 1.07-1.10x stock's; with these paths and the count binding (Note [Free count binding])
+# 1.02-1.04x (benchmarks/README.md). What is left is mostly kvcached's own calls: an
+# available_size() per count and an alloc/free per allocation, and the pages unmapped as they
+# empty. version.py pins the minor whose internals these paths repeat, and vLLM's own
+# scheduler tests run against this pool.
 #
 # Note [Pool geometry]
 # vLLM builds its BlockPool from num_gpu_blocks alone, in the scheduler, after the worker made
