@@ -11,6 +11,8 @@ once per layout. Rank 0 measures, the others serve. Rows (one column per TP size
   map one page id            PageTable.map([p]) of the group's table, then unmap (median µs);
   unmap one page id          at TP > 1 each includes the round trip to every peer, which maps
                              in parallel (the request goes out before the local map)
+  round trip, empty request  TP > 1: one request to every peer that does nothing there (the
+                             start-up check of the page size), median µs: the messaging alone
   alloc(bpp)+free, pool off  KVCACHED_MIN/MAX_RESERVED_PAGES=0: every cycle maps and unmaps one
                              page id through the manager (median µs)
   alloc(16)+free, pool on    default pool, warm: no mapping, so no message (µs per cycle, best
@@ -44,8 +46,10 @@ NUM_LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 PAGE_BYTES = 2 << 20
 NUM_PAGES = 64
 HOST_CAPACITY = 1 << 45                 # host backend: slots only, never touched
-ROWS = ("map_us", "unmap_us", "alloc_free_pool_off_us", "alloc16_free_pool_on_us", "messages_per_pool_cycle")
+ROWS = ("map_us", "unmap_us", "round_trip_us", "alloc_free_pool_off_us", "alloc16_free_pool_on_us",
+        "messages_per_pool_cycle")
 LABELS = {"map_us": "map one page id (µs)", "unmap_us": "unmap one page id (µs)",
+          "round_trip_us": "round trip, empty request (µs)",
           "alloc_free_pool_off_us": "alloc(bpp)+free, pool off (µs)",
           "alloc16_free_pool_on_us": "alloc(16)+free, pool on (µs)",
           "messages_per_pool_cycle": "messages per pool cycle"}
@@ -105,6 +109,9 @@ def _measure_layout(rank: int, world: int, device: str, layout: str, repeats: in
             unmaps.append(t2 - t1)
         out["map_us"] = statistics.median(maps) * 1e6
         out["unmap_us"] = statistics.median(unmaps) * 1e6
+        leader = kv_runtime.runtime().tp
+        if leader is not None:
+            out["round_trip_us"] = _median_us(lambda: leader.hello(PAGE_BYTES), repeats)
         m = KVCacheManager(num_blocks, BLOCK_SIZE, cell, NUM_LAYERS, world_size=world)
         out["alloc_free_pool_off_us"] = _median_us(cycle(m, bpp), repeats)
         m.close()

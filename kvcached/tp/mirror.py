@@ -78,8 +78,9 @@ class Leader:
     # -- rounds (assume the lock) --------------------------------------------------------------
     def _post(self, op: int, table_id: int, page_ids: list[int], args: tuple[int, ...] = (),
               peers=None) -> _Round:
-        """Post each peer's reply buffer, then send it the request. Raises KVCachedTPError
-        (channel broken) if a peer cannot be reached."""
+        """Send the request to every peer of the round, then post their replies' receives while
+        they work (See Note [Posting receives] in channel). Raises KVCachedTPError (channel
+        broken) if a peer cannot be reached."""
         name = OP_NAMES[op]
         self.channel.check(operation=name)
         if self.stopped:
@@ -90,15 +91,19 @@ class Leader:
         self.rounds_by_thread[threading.get_ident()] += 1
         rnd = _Round(op, self._seq, table_id, page_ids, self.channel.deadline())
         extra = encode_request(self._request_np, op, self._seq, table_id, page_ids, args)
+        sent = {}
         for peer in self.peers if peers is None else peers:
             try:
-                reply_work = self.channel.irecv(peer, self._replies[peer][0])
-                sends = [self.channel.isend(peer, self._request)]
+                sent[peer] = [self.channel.isend(peer, self._request)]
                 if extra is not None:
-                    sends.append(self.channel.isend(peer, extra, TAG_IDS))
+                    sent[peer].append(self.channel.isend(peer, extra, TAG_IDS))
             except Exception as exc:
                 self._fail(peer, name, exc)
-            rnd.posted[peer] = (sends, reply_work)
+        for peer, sends in sent.items():
+            try:
+                rnd.posted[peer] = (sends, self.channel.irecv(peer, self._replies[peer][0]))
+            except Exception as exc:
+                self._fail(peer, name, exc)
         return rnd
 
     def _fail(self, peer: int, name: str, exc: Exception) -> None:
