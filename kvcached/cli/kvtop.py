@@ -81,6 +81,7 @@ def _loop(stdscr: curses.window, interval_s: float) -> int:
             return 0
         if key == curses.KEY_RESIZE:
             curses.update_lines_cols()
+            stdscr.clear()  # repaint all of the next frame: the terminal may have reflowed the old one
 
 
 def _draw(stdscr: curses.window, y: int, line: str, colors: dict[str, int]) -> None:
