@@ -4,7 +4,8 @@ Run as ``python tests/_tp_procs.py SCENARIO RANK WORLD WORKDIR CONFIG_JSON`` (PY
 repository root, KVCACHED_* in the environment). Every rank joins a gloo world through a file
 store in WORKDIR, initialises kvcached with tp_rank=RANK on the host backend and makes the KV
 tensors; rank 0 then runs the scenario (its assertions fail the process) and writes
-``result.json``; the other ranks serve until rank 0 shuts down. Files in WORKDIR are the events
+``result.json``; the other ranks serve until rank 0 shuts down (CONFIG may ask for several instances
+in turn over one gloo group of their own, passed as tp_group). Files in WORKDIR are the events
 the test and the ranks wait on (``ready``, ``go``), with generous deadlines.
 """
 
@@ -348,43 +349,63 @@ def leader_killed(cfg: dict, workdir: str) -> dict:
     return {}
 
 
-def mismatch(cfg: dict, workdir: str) -> dict:
-    """Set up by main(): rank 1 made other tensors, so rank 0's alloc_kv_cache refused."""
-    return {}
+def short(cfg: dict, workdir: str) -> dict:
+    """A few allocs and frees, every rank checked after each: one of several instances in turn."""
+    m = manager()
+    held = [alloc_pages(m, 1) for _ in range(3)]
+    assert all(ids is not None for ids in held)
+    assert len(assert_same_everywhere()) == 3
+    for ids in held:
+        m.free(ids)
+    m.close()
+    assert assert_same_everywhere() == []
+    return {"rounds": leader().num_rounds}
 
 
-SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, instance, batched, leader_killed, mismatch)}
+SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, instance, batched, leader_killed, short)}
 
 
 # -- every rank --------------------------------------------------------------------------------
 
+# Scenarios whose rank 0 alloc_kv_cache must refuse (set up by run_instance), and a word its error names.
+REFUSED = {"mismatch": "num_pages", "unregistered": "alloc_kv_cache"}
+
+
 def main() -> None:
     scenario, rank, world, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     cfg = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
-    cuda = cfg.get("device") == "cuda"
-    configure(2 << 20 if cuda else 16 << 10)
-    device = f"cuda:{rank}" if cuda else "cpu"
+    configure(2 << 20 if cfg.get("device") == "cuda" else 16 << 10)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank,
                             world_size=world)
+    tp_group = dist.new_group(backend="gloo") if cfg.get("tp_group") else None
+    for _ in range(cfg.get("instances", 1)):
+        run_instance(scenario, rank, world, workdir, cfg, tp_group)
+    dist.destroy_process_group()
+
+
+def run_instance(scenario: str, rank: int, world: int, workdir: str, cfg: dict, tp_group) -> None:
+    """One kvcached instance on this rank, from init_kvcached to shutdown_kvcached."""
+    cuda = cfg.get("device") == "cuda"
+    device = f"cuda:{rank}" if cuda else "cpu"
     small = cfg.get("small_rank") == rank       # host backend: room for small_pages page ids
-    init_kvcached(tp_rank=rank, world_size=world, device=device, page_size_bytes=PAGE_BYTES,
+    init_kvcached(tp_rank=rank, world_size=world, device=device, page_size_bytes=PAGE_BYTES, tp_group=tp_group,
                   host_capacity_bytes=None if cuda else (cfg["small_pages"] if small else 4 * NUM_PAGES) * PAGE_ID_BYTES)
     num_blocks = NUM_BLOCKS + (BLOCKS_PER_PAGE if scenario == "mismatch" and rank == 1 else 0)
     shape = (2, num_blocks, BLOCK, HEADS, DIM)
     backend = kv_runtime.runtime().backend
     if rank and cfg.get("unmap_faults"):
         backend.inject_fault("unmap", after=0, times=cfg["unmap_faults"])
-    if scenario == "mismatch" and rank == 0:
+    result = None
+    if scenario in REFUSED and rank == 0:
         try:
             alloc_kv_cache(shape, BLOCK, torch.float32, device, LAYERS)
         except KVCachedConfigError as exc:
-            assert "rank 1" in str(exc) and "num_pages" in str(exc), str(exc)
+            assert "rank 1" in str(exc) and REFUSED[scenario] in str(exc), str(exc)
             result = {"error": str(exc)}
         else:
-            raise AssertionError("alloc_kv_cache with a rank of another geometry did not raise")
-    else:
+            raise AssertionError(f"{scenario}: rank 0's alloc_kv_cache did not raise")
+    elif not (scenario == "unregistered" and rank):
         alloc_kv_cache(shape, BLOCK, torch.float32, device, LAYERS)
-        result = None
     if rank:
         try:
             manager()
@@ -393,7 +414,8 @@ def main() -> None:
         else:
             raise AssertionError(f"a KVCacheManager on rank {rank} did not raise")
         assert kv_runtime.wait_for_scheduler(WAIT_S), "rank 0 did not shut down"
-        follower, mapped = kv_runtime.runtime().tp, kv_runtime.runtime().groups[0].page_table.mapped_page_ids()
+        follower, groups = kv_runtime.runtime().tp, kv_runtime.runtime().groups
+        mapped = groups[0].page_table.mapped_page_ids() if groups else []
         if scenario == "leader_killed":               # serving ended with the lost connection
             assert follower.error is not None and len(mapped) == 1, (follower.error, mapped)
         else:
@@ -408,7 +430,6 @@ def main() -> None:
         shutdown_kvcached()
         with open(os.path.join(workdir, "result.json"), "w") as f:
             json.dump(result, f)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -121,6 +121,24 @@ def test_tp2_geometry_mismatch_names_the_rank(tmp_path):
         assert "rank 1" in ranks.wait()["error"]
 
 
+def test_tp2_rank_without_its_kv_tensors_is_named(tmp_path):
+    """Rank 1 never calls alloc_kv_cache: it answers rank 0's registration with an error once its
+    own wait (KVCACHED_TP_TIMEOUT_S) ends, and rank 0 waits for that answer, so its
+    alloc_kv_cache raises KVCachedConfigError naming rank 1 (not a lost rank) and the shutdown
+    that follows stops rank 1 cleanly."""
+    with Ranks(tmp_path, "unregistered", 2, LAYOUT="interleaved", TP_TIMEOUT_S=5) as ranks:
+        error = ranks.wait()["error"]
+    assert "did not call alloc_kv_cache" in error, error
+
+
+def test_tp2_instances_in_turn_over_one_tp_group(tmp_path):
+    """init_kvcached(tp_group=g) twice over one gloo group: the first instance leaves no receive
+    posted that would take the second's messages (Note [Posting receives])."""
+    with Ranks(tmp_path, "short", 2, {"tp_group": True, "instances": 2}, LAYOUT="interleaved", MIN_RESERVED_PAGES=0,
+               MAX_RESERVED_PAGES=0, TP_TIMEOUT_S=30) as ranks:
+        assert ranks.wait()["rounds"] > 0
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_tp2_dead_rank_raises_within_the_timeout(tmp_path, how):
     """A follower SIGKILLed (its sockets close) or SIGSTOPped (it never answers): rank 0's next

@@ -161,8 +161,9 @@ class Channel:
                 f"{self.broken} kvcached cannot keep the ranks' KV memory in step: restart every rank of this "
                 f"instance (raise KVCACHED_TP_TIMEOUT_S if rank {peer} is only slow).", peer, operation) from exc
 
-    def deadline(self) -> float:
-        return time.monotonic() + self.timeout_s
+    def deadline(self, timeouts: int = 1) -> float:
+        """The monotonic time `timeouts` times KVCACHED_TP_TIMEOUT_S from now."""
+        return time.monotonic() + timeouts * self.timeout_s
 
 
 # Note [TP messages]

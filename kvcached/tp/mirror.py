@@ -89,7 +89,9 @@ class Leader:
         self._seq += 1
         self.num_rounds += 1
         self.rounds_by_thread[threading.get_ident()] += 1
-        rnd = _Round(op, self._seq, table_id, page_ids, self.channel.deadline())
+        # a peer answers REGISTER once its own alloc_kv_cache came or its wait for it (one
+        # timeout) ended: that wait comes on top of the answer's time
+        rnd = _Round(op, self._seq, table_id, page_ids, self.channel.deadline(2 if op == REGISTER else 1))
         extra = encode_request(self._request_np, op, self._seq, table_id, page_ids, args)
         sent = {}
         for peer in self.peers if peers is None else peers:
@@ -162,9 +164,10 @@ class Leader:
             raise KVCachedConfigError(f"tensor-parallel ranks disagree: {refusal}")
 
     def register(self, table_id: int, geometry: tuple[int, ...]) -> None:
-        """Wait (up to KVCACHED_TP_TIMEOUT_S) until every peer has the page table of `table_id`
-        with the same geometry. Raises KVCachedConfigError naming the peer that differs or
-        lacks it, KVCachedTPError for one that is gone."""
+        """Wait until every peer has the page table of `table_id` with the same geometry (a peer
+        waits up to KVCACHED_TP_TIMEOUT_S for its alloc_kv_cache, then answers). Raises
+        KVCachedConfigError naming the peer that differs or lacks it, KVCachedTPError for one
+        that is gone."""
         refusal = self._refusal(self.call(REGISTER, table_id, [], geometry), f"register KV group {table_id}")
         if refusal:
             raise KVCachedConfigError(f"KV group {table_id} cannot be mirrored: {refusal}")
