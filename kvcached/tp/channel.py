@@ -184,19 +184,20 @@ class Channel:
 # Gloo's TCP transport sends data only once the receiver has posted its receive: posting writes
 # a ready notice to the sender's socket (a system call, and a wake-up of the sender's transport
 # thread), and a send that comes first waits for that notice, a second trip. Each receive is
-# therefore posted before its message can come, but never on the path a round waits on: the
-# leader sends a round's requests to every peer first, then posts their replies' receives while
-# the peers work; a follower posts the next request's receive right after its reply has gone.
-# A follower keeps one receive posted, not two: after STOP none is left, so a tp_group passed
-# by the caller can carry a later instance (a stale receive there would swallow its first
-# request), and the leader has none pending between rounds. Messages are waited for by the
-# calling thread (a hand-off to a receiver thread adds a wake-up per message), with no spinning:
-# gloo's work objects report is_completed() only after wait(), so polling can only watch the
-# buffer, and on a 2-core host a rank that polls keeps its own transport thread, which must
-# deliver the message, off the CPU for a scheduler slice (~4 ms a round instead of ~0.1 ms).
-# Measured, 2 cores, median round trip of an empty request (benchmarks/README.md): receives
-# posted as here 83-118 us; the next request's receive posted before the reply 138-172 us;
-# blocking send/recv 178-227 us; two messages instead of one header+ids message +35 us.
+# therefore posted before its message can come, but off the path a round waits on where it can
+# be: the leader sends a round's requests to every peer first, then posts their replies'
+# receives while the peers work; a follower posts the next request's receive once its reply is
+# out. A follower keeps one receive posted, not two: after STOP none is left, so a tp_group
+# passed by the caller can carry a later instance (a stale receive there would swallow its
+# first request), and the leader has none pending between rounds. Messages are waited for by
+# the calling thread (a hand-off to a receiver thread adds a wake-up per message), without
+# spinning: gloo's work objects report is_completed() only after wait(), so polling can only
+# watch the buffer, and a polling rank on a busy 2-core host kept the transport thread that
+# must deliver its message off the CPU for a scheduler slice, ~4 ms a round instead of ~0.1.
+# Measured on that host (median round trip of an empty request, tiny tensors): 75-140 us for
+# every placement of the receives, within the noise of one another; blocking send/recv and
+# two messages instead of one header+ids message no better; a plain TCP socket 10 us. Gloo's
+# floor is four thread wake-ups a round trip: each side's transport thread, then its waiter.
 #
 # Note [Gloo timeouts]
 # Gloo applies the group's timeout to every wait without an explicit one, and a wait that times
