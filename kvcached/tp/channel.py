@@ -182,22 +182,24 @@ class Channel:
 #
 # Note [Posting receives]
 # Gloo's TCP transport sends data only once the receiver has posted its receive: posting writes
-# a ready notice to the sender's socket (a system call, and a wake-up of the sender's transport
-# thread), and a send that comes first waits for that notice, a second trip. Each receive is
-# therefore posted before its message can come, but off the path a round waits on where it can
-# be: the leader sends a round's requests to every peer first, then posts their replies'
-# receives while the peers work; a follower posts the next request's receive once its reply is
-# out. A follower keeps one receive posted, not two: after STOP none is left, so a tp_group
-# passed by the caller can carry a later instance (a stale receive there would swallow its
-# first request), and the leader has none pending between rounds. Messages are waited for by
-# the calling thread (a hand-off to a receiver thread adds a wake-up per message), without
-# spinning: gloo's work objects report is_completed() only after wait(), so polling can only
-# watch the buffer, and a polling rank on a busy 2-core host kept the transport thread that
-# must deliver its message off the CPU for a scheduler slice, ~4 ms a round instead of ~0.1.
-# Measured on that host (median round trip of an empty request, tiny tensors): 75-140 us for
-# every placement of the receives, within the noise of one another; blocking send/recv and
-# two messages instead of one header+ids message no better; a plain TCP socket 10 us. Gloo's
-# floor is four thread wake-ups a round trip: each side's transport thread, then its waiter.
+# a ready notice to the sender's socket, and a send that comes first waits for that notice, a
+# second trip. So every receive is posted ahead, at a time when the other side only waits: the
+# leader posts a round's reply buffers before sending the request, and a follower posts the
+# next request's buffer as soon as a request is in, before applying it. Never while the other
+# side may be sending: gloo's transport thread and the caller's isend/irecv share one lock per
+# peer, so a notice that lands during a call makes one wait for the other, and on a busy host
+# the holder can be off the CPU for a scheduler slice (~4 ms). Posting after one's own send or
+# reply (to take the system call off the round's path) meets the other side's next message in
+# back-to-back rounds: on a shared 2-core host it gained nothing measurable and stalled more
+# often. None is left pending after STOP, so a tp_group passed by the caller can carry a later
+# instance (a stale receive would swallow its first request). Waits are in the calling thread
+# (a receiver thread adds a wake-up per message) and never spin: gloo's work objects report
+# is_completed() only after wait(), so polling can only watch the buffer, and a polling rank
+# kept the transport thread that must deliver its message off the CPU (~4 ms a round). Round
+# trip of an empty request on that host, median: 75-140 us however the receives are placed,
+# blocking send/recv and a second message per request no better; a plain TCP socket 10 us.
+# Gloo's floor is four thread wake-ups a round trip: each side's transport thread, then the
+# waiting thread.
 #
 # Note [Gloo timeouts]
 # Gloo applies the group's timeout to every wait without an explicit one, and a wait that times

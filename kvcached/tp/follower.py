@@ -106,17 +106,21 @@ class Follower:
 
     def _serve_loop(self) -> None:
         """Receive, apply and answer requests until STOP. The next request's receive is posted
-        once the reply has gone out, off the round's path, and not after STOP, so none is left
-        pending when serving ends (Note [Posting receives] in channel). Its gloo work objects
-        die with this frame, before ``stopped`` is set and the process group may be destroyed."""
+        as soon as a request is in, while the scheduling rank only waits, and none after STOP
+        (Note [Posting receives] in channel). Its gloo work objects die with this frame, before
+        ``stopped`` is set and the process group may be destroyed."""
         import torch
 
-        request, request_np = buffer(REQUEST_SLOTS)
+        requests = [buffer(REQUEST_SLOTS), buffer(REQUEST_SLOTS)]
         reply, reply_np = buffer(REPLY_SLOTS)
-        pending = self.channel.irecv(0, request)
+        turn = 0
+        pending = self.channel.irecv(0, requests[0][0])
         while True:
             pending.wait()
-            req = decode_request(request_np)
+            req = decode_request(requests[turn][1])
+            if req.op != STOP:
+                turn ^= 1
+                pending = self.channel.irecv(0, requests[turn][0])
             if req.num_ids > INLINE_IDS:
                 extra = torch.empty(req.num_ids - INLINE_IDS, dtype=torch.int64)
                 self.channel.irecv(0, extra, TAG_IDS).wait()
@@ -127,8 +131,6 @@ class Follower:
             works = [self.channel.isend(0, reply)]
             if payload is not None:
                 works.append(self.channel.isend(0, payload, TAG_PAYLOAD))
-            if req.op != STOP:
-                pending = self.channel.irecv(0, request)     # decoded above: the buffer is free
             for work in works:
                 work.wait()
             if req.op == STOP:

@@ -78,9 +78,8 @@ class Leader:
     # -- rounds (assume the lock) --------------------------------------------------------------
     def _post(self, op: int, table_id: int, page_ids: list[int], args: tuple[int, ...] = (),
               peers=None) -> _Round:
-        """Send the request to every peer of the round, then post their replies' receives while
-        they work (See Note [Posting receives] in channel). Raises KVCachedTPError (channel
-        broken) if a peer cannot be reached."""
+        """Post each peer's reply buffer, then send it the request (See Note [Posting receives]
+        in channel). Raises KVCachedTPError (channel broken) if a peer cannot be reached."""
         name = OP_NAMES[op]
         self.channel.check(operation=name)
         if self.stopped:
@@ -93,19 +92,15 @@ class Leader:
         # timeout) ended: that wait comes on top of the answer's time
         rnd = _Round(op, self._seq, table_id, page_ids, self.channel.deadline(2 if op == REGISTER else 1))
         extra = encode_request(self._request_np, op, self._seq, table_id, page_ids, args)
-        sent = {}
         for peer in self.peers if peers is None else peers:
             try:
-                sent[peer] = [self.channel.isend(peer, self._request)]
+                reply_work = self.channel.irecv(peer, self._replies[peer][0])
+                sends = [self.channel.isend(peer, self._request)]
                 if extra is not None:
-                    sent[peer].append(self.channel.isend(peer, extra, TAG_IDS))
+                    sends.append(self.channel.isend(peer, extra, TAG_IDS))
             except Exception as exc:
                 self._fail(peer, name, exc)
-        for peer, sends in sent.items():
-            try:
-                rnd.posted[peer] = (sends, self.channel.irecv(peer, self._replies[peer][0]))
-            except Exception as exc:
-                self._fail(peer, name, exc)
+            rnd.posted[peer] = (sends, reply_work)
         return rnd
 
     def _fail(self, peer: int, name: str, exc: Exception) -> None:
