@@ -222,9 +222,9 @@ class ElasticBlockPool(BlockPool):
         pool holds, in free-queue order (evicting their prefix-cache entries).
 
         Raises ValueError, as vLLM's pool does, when num_blocks > get_num_free_blocks(); nothing
-        is changed then. O(num_blocks) with one alloc when kvcached has them all (that it hands
-        them out proves the count covers them, so none is taken), else a count first, and a walk
-        of the free queue for held blocks."""
+        is changed then. O(num_blocks) with one alloc and no count when kvcached has them all
+        (that it hands them out proves the count covers them), else a count first, and a walk of
+        the free queue for the held blocks."""
         if num_blocks <= self._num_unheld_free and not self._borrowed and not self.metrics_collector:
             ids = self._alloc(num_blocks)
             if ids is not None:
@@ -674,11 +674,13 @@ class ElasticBlockPool(BlockPool):
 # _block_hash) instead of calling it and then walking the blocks again, counters replace
 # recounts (_num_unheld_free), and get_new_blocks takes fresh blocks with one alloc and no count
 # when kvcached has them all. At 05b2cad, with vLLM's methods called underneath, a step took
-# 1.07-1.10x stock's; with these paths and the count binding (Note [Free count binding])
-# 1.02-1.04x (benchmarks/README.md). What is left is mostly kvcached's own calls: an
-# available_size() per count and an alloc/free per allocation, and the pages unmapped as they
-# empty. version.py pins the minor whose internals these paths repeat, and vLLM's own
-# scheduler tests run against this pool.
+# 1.07-1.10x stock's; at da60575, with these paths, 1.04-1.06x; with the count binding (Note
+# [Free count binding]) and idle pages found by count (Note [Idle pages]) 1.03-1.045x, the
+# same machine and hour (benchmarks/README.md). What is left is mostly kvcached's own calls:
+# an available_size() per count (~1 % of a step without caching, ~2 % with it, measured by
+# leaving the count out), an alloc/free per allocation, and the pages mapped and unmapped as
+# they fill and empty. version.py pins the minor whose internals these paths repeat, and
+# vLLM's own scheduler tests run against this pool.
 #
 # Note [Pool geometry]
 # vLLM builds its BlockPool from num_gpu_blocks alone, in the scheduler, after the worker made
