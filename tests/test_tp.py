@@ -71,7 +71,16 @@ class Ranks:
             proc.communicate()
 
 
+def _two_gpus() -> bool:
+    from kvcached import _core
+
+    return _core.cuda_unavailable_reason() is None and _core.cuda_device_count() >= 2
+
+
 LAYOUTS = ["per_layer", "interleaved"]
+# Scenarios that run on the host backend in CI and on two GPUs where there are two (marker gpu).
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                              pytest.mark.skipif(not _two_gpus(), reason="needs 2 CUDA devices")])]
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -87,8 +96,10 @@ def test_tp2_out_of_memory_on_one_rank_rolls_back_both(tmp_path, small_rank):
         assert ranks.wait()["pages"] == 3
 
 
-def test_tp2_pool_refill_and_trim_are_one_message_each(tmp_path):
-    with Ranks(tmp_path, "batched", 2, LAYOUT="per_layer", MIN_RESERVED_PAGES=4, MAX_RESERVED_PAGES=4) as ranks:
+@pytest.mark.parametrize("device", DEVICES)
+def test_tp2_pool_refill_and_trim_are_one_message_each(tmp_path, device):
+    with Ranks(tmp_path, "batched", 2, {"device": device}, LAYOUT="per_layer", MIN_RESERVED_PAGES=4,
+               MAX_RESERVED_PAGES=4) as ranks:
         ranks.wait()
 
 
@@ -108,11 +119,13 @@ def test_tp2_follower_retries_a_failed_unmap(tmp_path):
         ranks.wait()
 
 
-def test_tp2_tracker_and_budget_count_every_rank(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tp2_tracker_and_budget_count_every_rank(tmp_path, device):
     tag = f"{os.getpid()}-{tmp_path.name}"[-40:]
-    with Ranks(tmp_path, "instance", 2, LAYOUT="interleaved", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0,
-               TRACKER=1, IPC_NAME=f"tp-{tag}", GLOBAL_BUDGET=f"tp-budget-{tag}",
-               GLOBAL_BUDGET_BYTES=3 * 2 * 4 * (16 << 10)) as ranks:     # 3 page ids x 2 ranks
+    page_bytes = 2 << 20 if device == "cuda" else 16 << 10          # _tp_procs.configure's
+    with Ranks(tmp_path, "instance", 2, {"device": device}, LAYOUT="interleaved", MIN_RESERVED_PAGES=0,
+               MAX_RESERVED_PAGES=0, TRACKER=1, IPC_NAME=f"tp-{tag}", GLOBAL_BUDGET=f"tp-budget-{tag}",
+               GLOBAL_BUDGET_BYTES=3 * 2 * 4 * page_bytes) as ranks:     # 3 page ids x 2 ranks
         ranks.wait()
 
 
@@ -160,11 +173,12 @@ def test_tp2_dead_rank_raises_within_the_timeout(tmp_path, how):
     assert result["elapsed_s"] < timeout_s + 60 and result["later_s"] < 60, result
 
 
-def test_tp2_follower_outlives_a_killed_scheduling_rank(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_tp2_follower_outlives_a_killed_scheduling_rank(tmp_path, device):
     """Rank 0 SIGKILLed: rank 1's service ends with the lost connection at once (no timeout to
     wait), and its shutdown and exit are clean."""
-    with Ranks(tmp_path, "leader_killed", 2, LAYOUT="interleaved", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0,
-               TP_TIMEOUT_S=600) as ranks:
+    with Ranks(tmp_path, "leader_killed", 2, {"device": device}, LAYOUT="interleaved", MIN_RESERVED_PAGES=0,
+               MAX_RESERVED_PAGES=0, TP_TIMEOUT_S=600) as ranks:
         wait_for_file(os.path.join(ranks.workdir, "ready"), RUN_S)
         os.kill(ranks.procs[0].pid, signal.SIGKILL)
         out, _ = ranks.procs[1].communicate(timeout=RUN_S)
@@ -185,12 +199,6 @@ def test_tp4_pool_on(tmp_path):
 
 
 # -- two GPUs ------------------------------------------------------------------------------------
-
-def _two_gpus() -> bool:
-    from kvcached import _core
-
-    return _core.cuda_unavailable_reason() is None and _core.cuda_device_count() >= 2
-
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("scenario", ["basic", "model", "unmap_fault"])
