@@ -1,7 +1,10 @@
 """Smoke run of bench_tp.py (CI): TP=1 and TP=2 on the host backend, one layout, a few repeats.
 
-Checks what the benchmark reports, never how fast: every figure is there, and the pool's fast
-path sent no message from the calling thread.
+Checks what the benchmark reports, never how fast: every figure is there, and the pool served
+the alloc/free cycle: a cycle through the pool sends no message. A free that finds the pool
+topped up to its maximum by the refill thread meanwhile unmaps its page on the calling thread,
+one round to the peers; under a parallel test load that was 2 rounds in 2000 cycles, so the
+check allows a few, where a cycle that missed the pool would send at least one each.
 """
 
 import json
@@ -21,4 +24,4 @@ def test_bench_tp_quick(tmp_path):
         row = results[tp]["interleaved"]
         assert set(row) == {"map_us", "unmap_us", "alloc_free_pool_off_us", "alloc16_free_pool_on_us",
                             "messages_per_pool_cycle"} | ({"round_trip_us"} if tp == "2" else set()), row
-        assert row["messages_per_pool_cycle"] == 0, row
+        assert row["messages_per_pool_cycle"] < 0.05, row
