@@ -38,6 +38,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
 from vllm.v1.core.kv_cache_metrics import KVCacheMetricsCollector
 from vllm.v1.core.kv_cache_utils import (
     BlockHash,
+    KVCacheBlock,
     get_request_block_hasher,
     init_none_hash,
     make_block_hash_with_group_id,
@@ -400,13 +401,20 @@ def test_touching_a_free_block_claims_that_id_from_kvcached(kv, victim_page):
     pool.close()
 
 
-def test_a_touched_block_kvcached_cannot_back_now_is_borrowed_not_double_allocated(kv):
+def _pool_with_a_borrowed_block() -> tuple[ElasticBlockPool, KVCacheBlock]:
+    """A caching pool whose limit covers only the null block's page, and a free block on another
+    page touched as a prefix hit: kvcached cannot back it now, so it is borrowed."""
     set_pool_geometry(SMALL_BLOCKS)
     pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
     pool.manager.set_memory_limit(PAGE, revision=1)          # only the null block's page
     victim = pool.blocks[3 * PER_PAGE]
     pool.touch([victim])
     assert pool._borrowed == {victim.block_id}
+    return pool, victim
+
+
+def test_a_touched_block_kvcached_cannot_back_now_is_borrowed_not_double_allocated(kv):
+    pool, victim = _pool_with_a_borrowed_block()
     pool.check_invariants()
     # kvcached's share is counted less the borrowed id (it may be among what kvcached hands out).
     assert pool.get_num_free_blocks() == PER_PAGE - 2
@@ -424,12 +432,7 @@ def test_a_touched_block_kvcached_cannot_back_now_is_borrowed_not_double_allocat
 def test_unpinning_a_borrowed_block_leaves_a_plain_free_block(kv):
     """A borrowed block that unpin_blocks frees is free in kvcached: counted as a free block
     kvcached may hand out, and its reader hears of it when it is handed out."""
-    set_pool_geometry(SMALL_BLOCKS)
-    pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
-    pool.manager.set_memory_limit(PAGE, revision=1)          # only the null block's page
-    victim = pool.blocks[3 * PER_PAGE]
-    pool.touch([victim])
-    assert pool._borrowed == {victim.block_id}
+    pool, victim = _pool_with_a_borrowed_block()
     reused: list = []
     pool.unpin_blocks([victim], reused.append)
     assert not pool._borrowed and victim.ref_cnt == 0
