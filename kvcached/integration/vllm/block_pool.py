@@ -519,14 +519,7 @@ class ElasticBlockPool(BlockPool):
             if block._block_hash is not None or block.block_id in cached_by_block:
                 self._maybe_evict_cached_block(block)
             held[block.block_id] = 0
-            # vLLM's queue.remove(), inlined (See Note [Inlined vLLM paths]); prepend_n counts them back.
-            prev_block, next_block = block.prev_free_block, block.next_free_block
-            if prev_block is None or next_block is None:
-                raise RuntimeError(f"block {block.block_id} is not in the free queue")
-            prev_block.next_free_block = next_block
-            next_block.prev_free_block = prev_block
-            block.prev_free_block = block.next_free_block = None
-        queue.num_free_blocks -= len(blocks)
+            queue.remove(block)
         # Uncached free blocks sit in front of the held ones in vLLM's queue: move them there.
         queue.prepend_n(blocks)
         self._free([block.block_id for block in reversed(blocks)])
