@@ -383,8 +383,7 @@ cdef class PageAllocator:
         max_reserved (and the limit), the rest pending behind one fence recorded on `stream`,
         unmapped once it is done (Note [Deferred unmap]). Call without the GIL. Takes lock, and
         map_lock only if free (a busy one means someone else will drain)."""
-        cdef int i, k = -1, room, tail
-        cdef int32_t p
+        cdef int k = -1, room
         cdef uintptr_t fence = 0
         if n <= 0:
             return 0
@@ -408,18 +407,7 @@ cdef class PageAllocator:
         k = max(0, min(n, room))
         self._push_pool(k, ids)
         if n > k:
-            tail = self.pend_head + self.num_pending - self.num_retry     # retries are not in the ring
-            for i in range(k, n):
-                p = ids[i]
-                self.state[p] = _PS_PENDING
-                self.pend_ids[tail % self.num_table_pages] = p
-                tail += 1
-            i = (self.batch_head + self.num_batches) % self.num_table_pages
-            self.batch_fence[i] = fence
-            self.batch_count[i] = n - k
-            self.num_batches += 1
-            self.num_pending += n - k
-            self.num_fences += 1
+            self._queue_pending_locked(n - k, ids + k, fence)
         self.num_used -= n
         self.activity += 1
         self.policy.idle_trimmed = False
@@ -473,6 +461,19 @@ cdef class PageAllocator:
         self.retry_ids[self.num_retry] = page_id
         self.num_retry += 1
         self.num_pending += 1
+
+    cdef void _queue_pending_locked(self, int n, const int32_t* ids, uintptr_t fence) noexcept nogil:
+        # n > 0 mapped ids wait behind one fence (the ring owns it), unmapped by _drain (hold lock)
+        cdef int i, tail = self.pend_head + self.num_pending - self.num_retry     # retries are not in the ring
+        for i in range(n):
+            self.state[ids[i]] = _PS_PENDING
+            self.pend_ids[(tail + i) % self.num_table_pages] = ids[i]
+        i = (self.batch_head + self.num_batches) % self.num_table_pages
+        self.batch_fence[i] = fence
+        self.batch_count[i] = n
+        self.num_batches += 1
+        self.num_pending += n
+        self.num_fences += 1
 
     cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil:
         """Unmap ids in transit (hold map_lock, not lock) and put them back as free/outside; an id
@@ -541,10 +542,14 @@ cdef class PageAllocator:
             self._unmap_ids(c, self.scratch)
 
     cdef int _pool_out(self, int keep, int below) except -1 nogil:
-        """Unmap pool ids >= `below`, then pool ids from the top until at most `keep` remain
-        (keep < 0: what the limit allows). Hold map_lock."""
-        cdef int i, j = 0, n = 0
+        """Take pool ids >= `below`, then pool ids from the top until at most `keep` remain
+        (keep < 0: what the limit allows), and queue them behind one fence recorded now: kernels
+        queued before their blocks were freed may still read them (Note [Deferred unmap]). Then
+        unmaps what is due (on the host: all of it). Hold map_lock. If the fence cannot be
+        recorded the ids go back onto the pool, mapped, and the error is raised."""
+        cdef int i, j = 0, n = 0, k = -1
         cdef int32_t p
+        cdef uintptr_t fence = 0
         pthread_mutex_lock(&self.lock)
         if keep < 0:
             keep = self.num_pool if self.limit_pages < 0 else max(0, self.limit_pages - self.num_used - self.num_transit)
@@ -566,7 +571,20 @@ cdef class PageAllocator:
             self.pool_weight -= self.weight[self.scratch[i]]
         self.num_transit += n
         pthread_mutex_unlock(&self.lock)
-        return self._unmap_ids(n, self.scratch)
+        if n == 0:
+            return 0
+        try:
+            self.backend._record_fence(self.stream, &fence)
+            k = 0
+        finally:
+            pthread_mutex_lock(&self.lock)
+            self.num_transit -= n
+            if k == 0:
+                self._queue_pending_locked(n, self.scratch, fence)
+            else:
+                self._push_pool(n, self.scratch)     # no fence: nothing may be unmapped
+            pthread_mutex_unlock(&self.lock)
+        return self._drain(False)
 
     # -- filling the pool (driven by the RefillPolicy) ----------------------------------------
     cdef int _map_into_pool(self, int chunk, bint* failed) except -1 nogil:
@@ -865,9 +883,9 @@ cdef class PageAllocator:
         return not busy
 
     def trim(self):
-        """Unmap the whole pool and every pending page whose fence is done, and release the
-        backend's cached handles. The background thread does not refill until the next take or
-        return."""
+        """Queue the whole pool behind a fence and unmap every pending page whose fence is done
+        (on the host: all of them), and release the backend's cached handles. The background
+        thread does not refill until the next take or return; it unmaps what is still pending."""
         self._check_usable()
         with nogil:
             pthread_mutex_lock(&self.map_lock)
@@ -940,8 +958,14 @@ cdef class PageAllocator:
             return
         try:
             self.stop()
-            self.drain(True)
             self.trim()
+            with nogil:
+                pthread_mutex_lock(&self.map_lock)
+                try:
+                    self._drain(True)
+                    self.backend.release_cached_above(0)
+                finally:
+                    pthread_mutex_unlock(&self.map_lock)
         finally:
             with nogil:
                 pthread_mutex_lock(&self.map_lock)
@@ -1110,4 +1134,11 @@ cdef class PageAllocator:
 # it is done — checked by later returns and slow takes (cuEventQuery, ~1 us, only on the slow path)
 # and by the background thread every 10 ms while any are pending. Never a device synchronize. On the
 # host the fence is done at once and the same path unmaps immediately. Pages reused from the pool
-# need no fence: the engine orders a block's reuse after its last use, as with any cache.
+# need no fence: the engine orders a block's reuse after its last use, as with any cache. Pages
+# that leave the pool to be unmapped (limit, trim, pool bounds, resize, the idle trim, a failed
+# take's overflow) do: a kernel queued before the free may still be reading them. _pool_out
+# records one fence as they leave, which covers the work queued before every free of them, and
+# queues them in the same ring; the pool's fast path records nothing. Before, the pool was
+# unmapped at once, and on the H200 a side-stream kernel reading a freed block faulted after
+# free -> set_memory_limit(0). A tensor-parallel follower waits for its own device's fence before
+# it unmaps (Backend.wait_for_stream): rank 0's fence covers only rank 0's device.

@@ -140,6 +140,7 @@ cdef class PageAllocator:
     cdef int64_t _fw_weight_of_lowest(self, int k) noexcept nogil            # weight of the k lowest free ids
     cdef void _release_page(self, int32_t page_id) noexcept nogil            # an unmapped id back to free / outside
     cdef void _queue_retry(self, int32_t page_id) noexcept nogil             # a still-mapped id to the unmap retries
+    cdef void _queue_pending_locked(self, int n, const int32_t* ids, uintptr_t fence) noexcept nogil  # mapped ids behind one fence
     cdef int _settle_failed_map(self, int n, const int32_t* ids) noexcept nogil   # -> how many went back unmapped
     cdef int _discard_used(self, int n, int32_t* ids) except -1 nogil        # unmap pages in use nobody will hand out; raises
     cdef int _check_usable(self) except -1 nogil                # 0, or raises KVCachedClosedError (closed / forked)

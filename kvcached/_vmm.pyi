@@ -111,6 +111,9 @@ class Backend:
         """True when the device work queued before the fence has finished."""
     def release_fence(self, fence: int) -> None:
         """Destroy a fence from record_fence() (no docstring in the source)."""
+    def wait_for_stream(self, stream: int = 0) -> None:
+        """Return once the device work queued on `stream` so far has finished (a fence polled
+        without the GIL; at once on the host)."""
     def free_physical_bytes(self) -> int:
         """Physical bytes this backend could still create (a driver/syscall query: not hot)."""
     def inject_out_of_memory(self, after: int) -> None:

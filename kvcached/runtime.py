@@ -313,7 +313,17 @@ def _join_peers(rt: _Runtime, group: KVGroup) -> None:
         group.peers = rt.tp.table_mirror(group.group_id)
         table.set_mirror(group.peers)
     elif rt.tp is not None:
-        rt.tp.add_table(group.group_id, table, geometry)
+        rt.tp.add_table(group.group_id, table, geometry, _current_stream(rt))
+
+
+def _current_stream(rt: _Runtime) -> int:
+    """The CUDA stream current on this rank's device (0 on the host): a follower's unmap waits
+    for the work queued on it."""
+    if rt.backend.kind != "cuda":
+        return 0
+    import torch
+
+    return int(torch.cuda.current_stream(rt.device).cuda_stream)
 
 
 def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: int, attention_type: str = "MHA",

@@ -362,7 +362,40 @@ def short(cfg: dict, workdir: str) -> dict:
     return {"rounds": leader().num_rounds}
 
 
-SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, instance, batched, leader_killed, short)}
+def fenced(cfg: dict, workdir: str) -> dict:
+    """Rank 1 queues a slow kernel that reads page 0; rank 0 frees the page and lowers the
+    limit to 0 while it runs: rank 1's unmap must wait for its own queued work (rank 0's
+    fence covers only rank 0's device). See fenced_follower."""
+    m = manager()
+    ids = alloc_pages(m, 1)
+    assert ids is not None and ids[0] == 0, ids
+    touch(os.path.join(workdir, "mapped"))
+    wait_for_file(os.path.join(workdir, "queued"))
+    m.free(ids)
+    assert m.set_memory_limit(0, revision=1)["status"] in ("applied", "deferred")
+    m._pages.drain(True)
+    assert assert_same_everywhere() == []
+    m.close()
+    return {"rounds": leader().num_rounds}
+
+
+def fenced_follower(workdir: str, device: str) -> None:
+    """Rank 1's side of `fenced`: write block 0, queue ~0.5 s of spinning and then a read of it
+    on the current stream, let rank 0 unmap, and check the read saw the data."""
+    wait_for_file(os.path.join(workdir, "mapped"))
+    kv = kv_runtime.runtime().groups[0].tensors
+    kv[0][0, 0].fill_(7.0)
+    torch.cuda.synchronize(device)
+    out = torch.empty_like(kv[0][0, 0])
+    torch.cuda._sleep(2_000_000_000 // 1000 * 500)
+    out.copy_(kv[0][0, 0])
+    touch(os.path.join(workdir, "queued"))
+    torch.cuda.synchronize(device)                 # an illegal address here if unmapped under the kernel
+    assert bool((out == 7.0).all()), "rank 1 read its page after it was unmapped"
+
+
+SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, instance, batched, leader_killed, short,
+                                     fenced)}
 
 
 # -- every rank --------------------------------------------------------------------------------
@@ -386,7 +419,7 @@ def main() -> None:
 def run_instance(scenario: str, rank: int, world: int, workdir: str, cfg: dict, tp_group) -> None:
     """One kvcached instance on this rank, from init_kvcached to shutdown_kvcached."""
     cuda = cfg.get("device") == "cuda"
-    device = f"cuda:{rank}" if cuda else "cpu"
+    device = ("cuda:0" if cfg.get("one_gpu") else f"cuda:{rank}") if cuda else "cpu"
     small = cfg.get("small_rank") == rank       # host backend: room for small_pages page ids
     init_kvcached(tp_rank=rank, world_size=world, device=device, page_size_bytes=PAGE_BYTES, tp_group=tp_group,
                   host_capacity_bytes=None if cuda else (cfg["small_pages"] if small else 4 * NUM_PAGES) * PAGE_ID_BYTES)
@@ -406,6 +439,8 @@ def run_instance(scenario: str, rank: int, world: int, workdir: str, cfg: dict, 
             raise AssertionError(f"{scenario}: rank 0's alloc_kv_cache did not raise")
     elif not (scenario == "unregistered" and rank):
         alloc_kv_cache(shape, BLOCK, torch.float32, device, LAYERS)
+    if rank and scenario == "fenced":
+        fenced_follower(workdir, device)
     if rank:
         try:
             manager()

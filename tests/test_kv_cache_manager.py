@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached, shutdown_kvcached
+from kvcached import runtime as runtime_module
 from kvcached.errors import BlockStateError, KVCachedConfigError
 from kvcached.runtime import get_kv_cache_manager
 
@@ -356,6 +357,41 @@ def test_trim_and_mapped_size(kv_env, layout):
     m.check_invariants()
 
 
+def _take_out_of_the_pool(m, path: str) -> None:
+    if path == "limit":
+        m.set_memory_limit(0, revision=1)
+    elif path == "trim":
+        m.trim()
+    elif path == "pool_bounds":
+        m._pages.set_pool_bounds(0, 0)
+    elif path == "resize":
+        assert m.resize(0)
+    else:                                           # the background thread's idle trim
+        trims = m.stats()["pages"]["num_idle_trims"]
+        deadline = time.monotonic() + 30
+        while m.stats()["pages"]["num_idle_trims"] == trims:
+            assert time.monotonic() < deadline, "no idle trim within 30 s"
+            time.sleep(0.001)
+
+
+@pytest.mark.parametrize("path", ["limit", "trim", "pool_bounds", "resize", "idle_trim"])
+def test_pages_leave_the_pool_behind_a_fence(kv_env, path):
+    """A page freed into the pool got no fence; each path that unmaps pool pages records one
+    (kernels queued before the free may still read it: Note [Deferred unmap]). The CUDA variant
+    in test_gpu_manager runs a kernel over the page; here the host's fence is done at once."""
+    env = {"IDLE_TRIM_S": 0.05} if path == "idle_trim" else {}
+    m, kv = make(kv_env, num_blocks=200, max_reserved=4, **env)
+    ids = m.alloc(int(m._group.layout.page_num_blocks[0]))     # exactly page 0
+    m.free(ids)
+    before = m.stats()["pages"]
+    assert before["reserved"] == 1 and before["mapped"] == 1, before
+    _take_out_of_the_pool(m, path)
+    after = m.stats()["pages"]
+    assert after["num_fences"] == before["num_fences"] + 1, f"{path}: pool pages unmapped with no fence"
+    assert after["reserved"] == after["mapped"] == after["pending_unmap"] == 0, after
+    m.check_invariants()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_page_occupancy(kv_env, layout):
     m, kv = make(kv_env, layout, num_blocks=100)
@@ -503,6 +539,47 @@ def test_constructor_validation(kv_env):
         KVCacheManager(**{**good, "num_blocks": 1000})
     m = KVCacheManager(np.int64(100), np.int32(16), 128, 2)      # engines pass numpy ints
     assert type(m.num_blocks) is int and m.available_size() == 100
+
+
+def test_more_blocks_than_the_tensors_is_refused(kv_env):
+    """KVCacheManager(128) over tensors of 64 blocks whose one page has room for 128 ids: ids
+    64..127 are no rows of kv[l], so the constructor refuses, naming both numbers."""
+    kv_env(LAYOUT="per_layer", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=2)
+    init_kvcached(device="cpu", page_size_bytes=4 * KV_PAGE_BYTES)
+    kv = alloc_kv_cache((2, 64, 16, 2, 32), 16, DTYPE, "cpu", 2)
+    assert kv[0].shape[1] == 64 and runtime_module.runtime().groups[0].layout.max_block_id >= 128
+    with pytest.raises(KVCachedConfigError, match=r"KVCacheManager\(num_blocks=128\): .* hold 64 blocks; pass "
+                                                  r"num_blocks <= 64 or allocate tensors with 128 blocks"):
+        KVCacheManager(128, 16, 128, 2)
+    assert runtime_module.managers() == []
+    m = KVCacheManager(64, 16, 128, 2)
+    check_ids(m, kv, m.alloc(64))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_manager_fits_its_tensors(kv_env, layout, data):
+    """Over tensors of N blocks a manager of more than N blocks is refused wherever the group's
+    pages have room for its ids, leaving the group without a manager; one of at most N blocks
+    hands out rows of the tensors only."""
+    tensor_blocks = data.draw(st.integers(1, 150), label="tensor_blocks")
+    kv_env(LAYOUT=layout, MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=2)
+    try:
+        init_kvcached(device="cpu", page_size_bytes=KV_PAGE_BYTES)
+        kv = alloc_kv_cache((2, tensor_blocks, 16, 2, 32), 16, DTYPE, "cpu", 2)
+        capacity = runtime_module.runtime().groups[0].layout.max_block_id
+        if capacity > tensor_blocks:
+            too_many = data.draw(st.integers(tensor_blocks + 1, capacity), label="too_many")
+            with pytest.raises(KVCachedConfigError, match=rf"num_blocks={too_many}\): .* hold {tensor_blocks} "):
+                KVCacheManager(too_many, 16, 128, 2)
+            assert runtime_module.managers() == []
+        m = KVCacheManager(data.draw(st.integers(1, tensor_blocks), label="num_blocks"), 16, 128, 2)
+        ids = m.alloc(m.available_size())
+        check_ids(m, kv, ids)
+        m.check_invariants()
+    finally:
+        shutdown_kvcached()
 
 
 def test_one_manager_per_group(kv_env):

@@ -77,6 +77,12 @@ def _two_gpus() -> bool:
     return _core.cuda_unavailable_reason() is None and _core.cuda_device_count() >= 2
 
 
+def _one_gpu() -> bool:
+    from kvcached import _core
+
+    return _core.cuda_unavailable_reason() is None and _core.cuda_device_count() >= 1
+
+
 LAYOUTS = ["per_layer", "interleaved"]
 # Scenarios that run on the host backend in CI and on two GPUs where there are two (marker gpu).
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
@@ -209,6 +215,17 @@ def test_tp2_gpu(tmp_path, layout, scenario):
     pool = (0, 0) if scenario == "unmap_fault" else (1, 4)
     with Ranks(tmp_path, scenario, 2, cfg, LAYOUT=layout if scenario != "unmap_fault" else "interleaved",
                MIN_RESERVED_PAGES=pool[0], MAX_RESERVED_PAGES=pool[1]) as ranks:
+        ranks.wait()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _one_gpu(), reason="needs a CUDA device")
+@pytest.mark.parametrize("max_reserved", [0, 2])
+def test_tp2_follower_unmap_waits_for_its_stream(tmp_path, max_reserved):
+    """Both ranks on one GPU (each its own context): rank 1's kernel still reads page 0 when rank
+    0 unmaps it; the follower must fence its own work first (before: an illegal address)."""
+    with Ranks(tmp_path, "fenced", 2, {"device": "cuda", "one_gpu": True}, LAYOUT="interleaved",
+               MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=max_reserved) as ranks:
         ranks.wait()
 
 

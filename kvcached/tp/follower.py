@@ -61,6 +61,7 @@ class Follower:
         self.stopped = threading.Event()                # the service thread has ended
         self._cond = threading.Condition()
         self._tables: dict[int, tuple[PageTable, tuple[int, ...]]] = {}
+        self._streams: dict[int, int] = {}              # table id -> the stream an unmap waits for
         self._stuck: dict[int, set[int]] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name=f"kvcached-tp-rank{channel.rank}", daemon=True)
@@ -68,10 +69,13 @@ class Follower:
     def start(self) -> None:
         self._thread.start()
 
-    def add_table(self, table_id: int, table: PageTable, geometry: tuple[int, ...]) -> None:
-        """Serve `table` under `table_id` (alloc_kv_cache on this rank); wakes a REGISTER that waits."""
+    def add_table(self, table_id: int, table: PageTable, geometry: tuple[int, ...], stream: int = 0) -> None:
+        """Serve `table` under `table_id` (alloc_kv_cache on this rank); wakes a REGISTER that waits.
+        Each unmap of the table first waits for the work queued on `stream` (a CUstream as int)
+        on this rank's device: the scheduling rank's fence covers only its own device."""
         with self._cond:
             self._tables[table_id] = (table, geometry)
+            self._streams[table_id] = stream
             self._stuck[table_id] = set()
             self._cond.notify_all()
 
@@ -215,6 +219,7 @@ class Follower:
         ids = [p for p in page_ids if table.is_mapped(p)]
         stuck = self._stuck[table_id]
         if ids:
+            self.backend.wait_for_stream(self._streams[table_id])
             try:
                 table.unmap(ids)
             except DriverError:
@@ -241,6 +246,7 @@ class Follower:
             ids = table.mapped_page_ids()
             if ids:
                 try:
+                    self.backend.wait_for_stream(self._streams[table_id])
                     table.unmap(ids)
                 except DriverError:
                     logger.warning("tensor-parallel rank %d: group %d: %d page id(s) stay mapped until "
