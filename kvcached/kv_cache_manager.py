@@ -167,11 +167,11 @@ class KVCacheManager:
     KVCachedClosedError (Note [Manager life cycle]).
 
     Raises (constructor): KVCachedConfigError for a non-positive size, a geometry that differs
-    from the group's tensors, a group that already has a live manager (Note [One manager per
-    group]), a segment name another manager of this process uses, a world_size other than 1 or
-    init_kvcached's, a tp_rank > 0 (see Note [Tensor-parallel manager]) or async_sched=True. A
-    failed constructor leaves nothing behind. ``registry`` is the runtime's (the default); see
-    Note [One registry].
+    from the group's tensors, more blocks than those tensors hold, a group that already has a
+    live manager (Note [One manager per group]), a segment name another manager of this process
+    uses, a world_size other than 1 or init_kvcached's, a tp_rank > 0 (see Note [Tensor-parallel
+    manager]) or async_sched=True. A failed constructor leaves nothing behind. ``registry`` is
+    the runtime's (the default); see Note [One registry].
     """
 
     _pages: PageAllocator                   # set by _build; absent if construction failed first
@@ -225,6 +225,7 @@ class KVCacheManager:
         # See Note [One manager per group]: the check and the registration are one step.
         with self._registry.lock:
             self._group = self._registry.group(group_id, num_layers, num_kv_buffers, self.block_bytes, num_blocks)
+            self._refuse_more_blocks_than_tensors()
             self._refuse_second_manager()
             ipc_name = self._ipc_name(settings.ipc_name)
             try:
@@ -269,6 +270,18 @@ class KVCacheManager:
                                                daemon=True)
             self._publisher.start()
         self._pages.start()
+
+    def _refuse_more_blocks_than_tensors(self) -> None:
+        """num_blocks may not exceed the blocks the group's tensors were made for (alloc_kv_cache's
+        N, or the first manager's num_blocks when a manager made the group): the pages' rounded-up
+        capacity may hold more ids, but those are no rows of ``kv[layer]``."""
+        held = self._group.layout.num_blocks
+        if self.num_blocks > held:
+            raise KVCachedConfigError(
+                f"KVCacheManager(num_blocks={self.num_blocks}): the KV tensors of group {self.group_id} from "
+                f"alloc_kv_cache hold {held} blocks; pass num_blocks <= {held} or allocate tensors with "
+                f"{self.num_blocks} blocks (another group_id, or after shutdown_kvcached()): ids {held}.."
+                f"{self.num_blocks - 1} would be no rows of kv[layer]")
 
     def _refuse_second_manager(self) -> None:
         """See Note [One manager per group]. Assumes the registry's lock."""

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached
+from kvcached.errors import KVCachedArgumentError
 from kvcached.ops import paged_attention, paged_decode, write_kv
 
 LAYOUTS = ("per_layer", "interleaved", "page_grouped")
@@ -66,7 +67,7 @@ class Batch:
     """Random requests written into the given block ids of one layer's caches."""
 
     def __init__(self, k_cache, v_cache, kv_layout: str, block_ids: list[int], seq_lens: list[int],
-                 q_lens: list[int], heads: int, seed: int = 0):
+                 q_lens: list[int], heads: int, seed: int = 0, padding: int = GARBAGE):
         gen = torch.Generator().manual_seed(seed)
         geometry_shape = k_cache.shape
         self.block_size = geometry_shape[1] if kv_layout == "NHD" else geometry_shape[2]
@@ -77,7 +78,7 @@ class Batch:
         free = [block_ids[i] for i in order]
         bs = self.block_size
         max_blocks = max(-(-n // bs) for n in seq_lens) + 1
-        self.block_tables = torch.full((len(seq_lens), max_blocks), GARBAGE, dtype=torch.int32)
+        self.block_tables = torch.full((len(seq_lens), max_blocks), padding, dtype=torch.int32)
         self.dense = []
         keys, values, slots = [], [], []
         for r, length in enumerate(seq_lens):
@@ -130,14 +131,15 @@ def batches(draw, decode: bool | None = None):
                 seq_lens=seq_lens, q_lens=q_lens, window=window, kv_layout=kv_layout, seed=draw(st.integers(0, 99)))
 
 
-def make_plain_batch(case: dict, dtype=torch.float32, device="cpu", spare_blocks: int = 3) -> tuple:
+def make_plain_batch(case: dict, dtype=torch.float32, device="cpu", spare_blocks: int = 3,
+                     padding: int = GARBAGE) -> tuple:
     bs = case["block_size"]
     needed = sum(-(-n // bs) for n in case["seq_lens"])
     num_blocks = needed + spare_blocks
     k_cache, v_cache = plain_caches(num_blocks, bs, case["kv_heads"], case["head_dim"], case["kv_layout"], dtype,
                                     device)
     batch = Batch(k_cache, v_cache, case["kv_layout"], list(range(num_blocks)), case["seq_lens"], case["q_lens"],
-                  case["heads"], case["seed"])
+                  case["heads"], case["seed"], padding)
     return k_cache, v_cache, batch
 
 
@@ -193,6 +195,62 @@ def test_window_blocks_before_the_window_are_not_read():
     out = paged_decode(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.scale,
                        sliding_window=case["window"])
     assert_close(out, batch.expected(case["window"]), 1e-5)
+
+
+# -- the block-table contract ----------------------------------------------------------------------
+
+def read_columns(case: dict, r: int) -> range:
+    """The block-table columns of request r that attention reads: from the block of the first
+    position its queries see (the sliding window's start) to the block of its last cached token."""
+    bs, seq_len, q_len, window = case["block_size"], case["seq_lens"][r], case["q_lens"][r], case["window"]
+    first_token = max(0, seq_len - q_len - window + 1) if window is not None else 0
+    return range(first_token // bs, (seq_len - 1) // bs + 1)
+
+
+def attend(case: dict, k_cache, v_cache, batch) -> list[torch.Tensor]:
+    """paged_attention, and paged_decode too when every request has one query."""
+    args = dict(sliding_window=case["window"], kv_layout=case["kv_layout"])
+    outs = [paged_attention(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                            batch.query_start_loc, batch.scale, **args)]
+    if all(n == 1 for n in case["q_lens"]):
+        outs.append(paged_decode(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.scale,
+                                 **args))
+    return outs
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_minus_one_padding_outside_the_read_columns(case):
+    """-1 past each row's blocks (and before its sliding window, blocks an engine may release)
+    is never read: the output matches the reference."""
+    k_cache, v_cache, batch = make_plain_batch(case, padding=-1)
+    for r in range(len(case["seq_lens"])):
+        batch.block_tables[r, :read_columns(case, r).start] = -1
+    for out in attend(case, k_cache, v_cache, batch):
+        assert_close(out, batch.expected(case["window"]), 1e-5)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches(), st.data())
+def test_bad_block_id_in_the_read_columns_is_refused(case, data):
+    """A negative id (torch would read it as a block from the end) or one past the cache's blocks
+    where attention reads is refused on the CPU, naming the entry and the fix; -1 padding past
+    the length is accepted."""
+    k_cache, v_cache, batch = make_plain_batch(case, padding=-1)
+    num_blocks = k_cache.shape[0]
+    r = data.draw(st.integers(0, len(case["seq_lens"]) - 1), label="request")
+    col = data.draw(st.sampled_from(read_columns(case, r)), label="column")
+    bad = data.draw(st.sampled_from([-1, -2, -num_blocks, num_blocks, num_blocks + 7, 2**31 - 1]), label="id")
+    batch.block_tables[r, col] = bad
+    args = dict(sliding_window=case["window"], kv_layout=case["kv_layout"])
+    message = (rf"block_tables\[{r}, {col}\]={bad} is not a block of the cache \(ids 0\.\.{num_blocks - 1}\)"
+               rf".*used prefix")
+    with pytest.raises(KVCachedArgumentError, match=message):
+        paged_attention(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                        batch.scale, **args)
+    if all(n == 1 for n in case["q_lens"]):
+        with pytest.raises(KVCachedArgumentError, match=message):
+            paged_decode(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.scale, **args)
 
 
 # -- write_kv --------------------------------------------------------------------------------------
@@ -320,6 +378,28 @@ def test_every_layout_through_kvcached(kv_env, layout, kv_layout, block_size, kv
         decode = paged_decode(batch.query[last], k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.scale,
                               sliding_window=window, kv_layout=kv_layout)
         assert_close(decode, batch.expected(window)[last], 1e-5)
+    manager.free(ids)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_minus_one_in_the_length_on_kvcached_tensors(kv_env, layout):
+    """-1 read as the last row of a kvcached tensor is an unmapped page with small pages (a
+    segfault): refused before any gather, while -1 padding past the length works."""
+    kv_env(LAYOUT=layout, ZERO_PAGE=0, MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0)
+    init_kvcached(device="cpu", page_size_bytes=KV_PAGE_BYTES)
+    block_size, kv_heads, head_dim, heads, num_blocks = 16, 2, 64, 4, 96
+    kv = alloc_kv_cache((2, num_blocks, block_size, kv_heads, head_dim), block_size, torch.float32, "cpu", 1)
+    manager = KVCacheManager(num_blocks, block_size, kv_heads * head_dim * 4, 1)
+    seq_lens = [5, 2 * block_size + 1]
+    ids = manager.alloc(sum(-(-n // block_size) for n in seq_lens))
+    k_cache, v_cache = kv[0][0], kv[0][1]
+    batch = Batch(k_cache, v_cache, "NHD", ids, seq_lens, [1, 1], heads, padding=-1)
+    expected = batch.expected(None)
+    assert_close(paged_decode(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.scale),
+                 expected, 1e-5)
+    batch.block_tables[1, 2] = -1
+    with pytest.raises(KVCachedArgumentError, match=r"block_tables\[1, 2\]=-1 is not a block"):
+        paged_decode(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.scale)
     manager.free(ids)
 
 

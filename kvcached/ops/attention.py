@@ -4,7 +4,9 @@ Dispatch and the torch implementation: decode batches on CUDA go to the Triton k
 (triton_decode); everything else runs here, with torch ops over the gathered blocks (prefill
 through ``scaled_dot_product_attention``). Only blocks a request's positions need are gathered:
 entries of a block table past ``ceil(seq_len / block_size)``, and blocks wholly before a sliding
-window, are never read, and neither are slots past ``seq_len``.
+window, are never read, and neither are slots past ``seq_len``. The entries that are read must be
+ids of held blocks: the CPU path refuses any other, CUDA takes them on trust. See Note [Block
+table contract].
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..errors import KVCachedArgumentError
 from ._args import (
     CacheGeometry,
     cache_geometry,
@@ -35,12 +38,17 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     ``block_tables [B, max_blocks]`` int32 lists each sequence's blocks in order; ``seq_lens [B]``
     counts its cached tokens, the current one included (written with write_kv first), at least 1.
-    H is a multiple of the caches' KV heads (GQA: query head h reads KV head h // (H / KVH)).
+    Row r's entries up to ``ceil(seq_lens[r] / block_size)`` (from the window's first block on)
+    must be ids of held blocks; those past it are never read, so -1 padding there is fine. H is
+    a multiple of the caches' KV heads (GQA: query head h reads KV head h // (H / KVH)).
     ``sliding_window`` w: the query sees only the last w positions. The Triton kernel on CUDA,
     torch elsewhere. O(sum(seq_lens) * H * D).
 
     Raises TypeError/ValueError for shapes, dtypes or devices that do not match (and, on CPU,
-    seq_lens outside [1, max_blocks * block_size]).
+    seq_lens outside [1, max_blocks * block_size]); on CPU KVCachedArgumentError (a ValueError)
+    for a negative or out-of-range id among the entries read. On CUDA the ids are not checked
+    (it would cost a device sync): a bad one reads another block or faults. See Note [Block table
+    contract].
     """
     geometry = cache_geometry(k_cache, v_cache, kv_layout)
     window = check_window(sliding_window)
@@ -62,8 +70,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Decode-only batches (T == B: every q_len is 1) take paged_decode's path, the Triton kernel on
     CUDA; others torch SDPA per request. O(sum(q_len * seq_len) * H * D).
 
-    Raises TypeError/ValueError as paged_decode, and for a query_start_loc that does not fit
-    (contents checked on CPU only).
+    Block tables as paged_decode: the entries a request's positions need must be held blocks'
+    ids, those past ``ceil(seq_len / block_size)`` are never read.
+
+    Raises TypeError/ValueError as paged_decode (block ids checked on CPU only, See Note [Block
+    table contract]), and for a query_start_loc that does not fit (contents checked on CPU only).
     """
     geometry = cache_geometry(k_cache, v_cache, kv_layout)
     window = check_window(sliding_window)
@@ -114,6 +125,23 @@ def _check_lengths(seq_lens: list[int], capacity: int) -> None:
                          f"block table); it counts the cached tokens, this step's included")
 
 
+def _check_block_ids(block_tables: torch.Tensor, first_block: torch.Tensor, end_block: torch.Tensor,
+                     num_blocks: int) -> None:
+    """CPU only: the entries that are read, columns [first_block[r], end_block[r]) of row r, are
+    ids of the cache's blocks (torch would read -1 as the last). See Note [Block table contract]."""
+    columns = torch.arange(block_tables.shape[1])
+    read = (columns >= first_block[:, None]) & (columns < end_block[:, None])
+    bad = read & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(bad.any()):
+        r, c = bad.nonzero()[0].tolist()
+        raise KVCachedArgumentError(
+            f"block_tables[{r}, {c}]={int(block_tables[r, c])} is not a block of the cache (ids 0..{num_blocks - 1}); "
+            f"row {r} is read at columns {int(first_block[r])}..{int(end_block[r]) - 1}, the blocks its seq_lens "
+            f"and window need. Pass only the used prefix per the row's sequence length (entries past "
+            f"ceil(seq_len / block_size) are never read: -1 padding there is fine), or point padding at a valid "
+            f"block")
+
+
 # -- decode ----------------------------------------------------------------------------------------
 
 def _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geometry, kv_layout):
@@ -158,6 +186,8 @@ def decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
     first_token = (lens - window).clamp(min=0) if window is not None else torch.zeros_like(lens)
     first_block = first_token // bs
     num_blocks = (lens - 1) // bs - first_block + 1
+    if not query.is_cuda:
+        _check_block_ids(block_tables, first_block, first_block + num_blocks, geometry.num_blocks)
     width = int(num_blocks.max())
     cols = torch.arange(width, device=query.device)
     used = cols < num_blocks[:, None]
@@ -188,12 +218,16 @@ def _prefill(query, k_cache, v_cache, block_tables, seq_lens, starts, scale, win
     group = query.shape[1] // geometry.num_kv_heads
     lens = seq_lens.tolist()
     _check_lengths(lens, block_tables.shape[1] * bs)
+    first_tokens = [max(0, seq_len - (b - a) - window + 1) if window is not None else 0
+                    for seq_len, a, b in zip(lens, starts, starts[1:])]
+    if not query.is_cuda:
+        _check_block_ids(block_tables, torch.tensor(first_tokens) // bs, (torch.tensor(lens) - 1) // bs + 1,
+                         geometry.num_blocks)
     out = torch.empty_like(query)
     for r, seq_len in enumerate(lens):
         q = query[starts[r]:starts[r + 1]]                                  # [q_len, H, D]
-        q_len = q.shape[0]
-        first_query = seq_len - q_len
-        first_token = max(0, first_query - window + 1) if window is not None else 0
+        first_query = seq_len - q.shape[0]
+        first_token = first_tokens[r]
         first_block, end_block = first_token // bs, (seq_len - 1) // bs + 1
         ids = block_tables[r, first_block:end_block].long()
         skip = first_token - first_block * bs
@@ -209,3 +243,18 @@ def _prefill(query, k_cache, v_cache, block_tables, seq_lens, starts, scale, win
         out[starts[r]:starts[r + 1]] = F.scaled_dot_product_attention(
             q.transpose(0, 1), k, v, attn_mask=allowed, scale=scale).transpose(0, 1)
     return out
+
+
+# Note [Block table contract]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Row r of a block table is read only where request r's positions lie: from the block of the
+# first position its queries see (0, or the sliding window's start) to the block of token
+# seq_lens[r] - 1. Entries past ceil(seq_len / block_size) and blocks wholly before the window are
+# never read, so -1 padding (the usual value) and released window blocks may stay there. An entry
+# that is read must be the id of a block the caller holds. On the CPU a bad one is refused before
+# any gather: torch indexing would read -1 as the cache's last block, which on kvcached tensors is
+# an unmapped row with small pages (a segfault) and another request's data, or zeros, with the
+# default ones (a silently wrong output). The check is a few vector compares over the table, next
+# to the attention itself. On CUDA, nothing is checked: reading the table's contents on the host
+# would stall the stream on every step (and break graph capture); a bad id there reads another
+# block or faults with an illegal address.
