@@ -378,6 +378,12 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
         else:
             # A manager came first and made the group (kv_group): give it tensors if its geometry fits.
             group = kv_group(group_id, num_layers, num_kv_buffers, block_bytes, num_blocks)
+            if num_blocks < group.layout.num_blocks:
+                raise KVCachedConfigError(
+                    f"alloc_kv_cache: kvcache_shape has {num_blocks} blocks, but the manager that made group "
+                    f"{group_id} hands out {group.layout.num_blocks}: ids {num_blocks}..{group.layout.num_blocks - 1} "
+                    f"would be no rows of kv[layer]; pass {group.layout.num_blocks} blocks, or call alloc_kv_cache "
+                    f"before making the manager")
             if joint_kv and group.layout.name != "interleaved":
                 raise KVCachedConfigError(
                     f"group {group_id} was made by a manager with the {group.layout.name} layout, but "

@@ -556,6 +556,19 @@ def test_more_blocks_than_the_tensors_is_refused(kv_env):
     check_ids(m, kv, m.alloc(64))
 
 
+def test_tensors_made_after_the_manager_hold_its_blocks(kv_env):
+    """The manager first (it makes the group, 128 blocks), then alloc_kv_cache of 64 blocks:
+    before, the tensors were cut to 64 rows while the manager handed out ids up to 127."""
+    kv_env(LAYOUT="per_layer", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=2)
+    init_kvcached(device="cpu", page_size_bytes=4 * KV_PAGE_BYTES)
+    m = KVCacheManager(128, 16, 128, 2)
+    with pytest.raises(KVCachedConfigError, match=r"kvcache_shape has 64 blocks, but the manager .* hands out 128"):
+        alloc_kv_cache((2, 64, 16, 2, 32), 16, DTYPE, "cpu", 2)
+    assert runtime_module.runtime().groups[0].tensors is None
+    kv = alloc_kv_cache((2, 128, 16, 2, 32), 16, DTYPE, "cpu", 2)
+    check_ids(m, kv, m.alloc(128))
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
