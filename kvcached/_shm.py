@@ -131,9 +131,10 @@ def create_exclusive(path: str, content: bytes) -> int | None:
         os.unlink(tmp)
 
 
-def replace_if_dead(path: str, is_dead: Callable[[bytes], bool]) -> bool:
-    """Unlink ``path`` if ``is_dead(its content)``, under its flock so that two processes taking
-    over the same dead name cannot unlink each other's fresh file. True if it is gone now."""
+def replace_if_dead(path: str, is_dead: Callable[[bytes], bool], nbytes: int = 4096) -> bool:
+    """Unlink ``path`` if ``is_dead(its first nbytes bytes)``, under its flock so that two
+    processes taking over the same dead name cannot unlink each other's fresh file. True if it
+    is gone now."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -145,7 +146,7 @@ def replace_if_dead(path: str, is_dead: Callable[[bytes], bool]) -> bool:
                 return False  # replaced meanwhile: look again
         except FileNotFoundError:
             return True
-        if not is_dead(os.pread(fd, 4096, 0)):
+        if not is_dead(os.pread(fd, nbytes, 0)):
             return False
         os.unlink(path)
         return True

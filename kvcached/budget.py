@@ -34,7 +34,9 @@ Protocol (every process follows it; readers included):
   and added to ``recovered_bytes``. A live process of this namespace is never reclaimed, however
   old its heartbeat.
 * The file persists while no one holds it (the operator's setting); ``kvctl budget NAME
-  --delete`` removes it.
+  --delete`` removes it (``--force``: whatever the file holds). A file at a budget's name that no
+  kvcached can read as a budget (truncated or overwritten by another program) is shown by
+  ``kvctl budget`` and removed by ``kvctl gc``; a budget of another layout version is left alone.
 
 Segment layout, version 2 (native byte order)
 
@@ -67,7 +69,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from ._shm import (
@@ -77,6 +79,7 @@ from ._shm import (
     own_identity,
     owner_alive,
     pid_now,
+    replace_if_dead,
     validate_name,
 )
 from .checks import as_int
@@ -189,19 +192,23 @@ class _Segment:
         if len(raw) < nbytes:
             raise _BrokenBudget(
                 f"{self.path} is no budget any more: another program truncated it; remove it "
-                f"(kvctl budget {self.name} --delete --force), create it again and restart its "
-                "holders")
+                f"(`kvctl gc`, or `kvctl budget {self.name} --delete --force`), create it again "
+                "and restart its holders")
         return raw
 
     def head(self) -> tuple[int, int]:
         """(budget_bytes, held_bytes), after checking the file still is a budget of this
         layout version. One pread."""
         magic, version, _, budget, held = _HEAD.unpack(self._pread(_HEAD.size, 0))
-        if magic != MAGIC or version != VERSION:
+        if magic != MAGIC:
             raise _BrokenBudget(
-                f"{self.path} is not a kvcached budget of layout version {VERSION} (magic "
-                f"{magic!r}, version {version}); remove it (kvctl budget {self.name} --delete "
-                "--force) and create it again")
+                f"{self.path} is not a kvcached budget (magic {magic!r}); remove it (`kvctl gc`, "
+                f"or `kvctl budget {self.name} --delete --force`) and create it again")
+        if version != VERSION:
+            raise _BrokenBudget(
+                f"{self.path} is a kvcached budget of layout version {version}; this kvcached "
+                f"reads version {VERSION}: use the kvctl of the kvcached that created it, or "
+                f"remove it (`kvctl budget {self.name} --delete --force`) and create it again")
         return budget, held
 
     def word(self, index: int) -> int:
@@ -386,19 +393,80 @@ def read_budget(name: str) -> BudgetSnapshot:
         seg.close()
 
 
-def list_budgets() -> list[BudgetSnapshot]:
-    """Every readable budget on this machine, sorted by name."""
+def _budget_entries() -> list[str]:
+    """The ``kvcached-budget.*`` file names under SHM_DIR, sorted."""
     try:
-        entries = sorted(e for e in os.listdir(SHM_DIR) if e.startswith(BUDGET_PREFIX))
+        return sorted(e for e in os.listdir(SHM_DIR) if e.startswith(BUDGET_PREFIX))
     except FileNotFoundError:
         return []
-    budgets = []
-    for entry in entries:
+
+
+def scan_budgets() -> Iterator[tuple[str, BudgetSnapshot | Exception]]:
+    """(name, snapshot or the error reading it) for every budget file, sorted by name. The error
+    of a file that is no budget (KVCachedError) says how to remove it. O(files x slots)."""
+    for entry in _budget_entries():
+        name, path = entry[len(BUDGET_PREFIX):], os.path.join(SHM_DIR, entry)
         try:
-            budgets.append(read_budget(entry[len(BUDGET_PREFIX):]))
-        except (OSError, KVCachedError):
-            continue  # removed meanwhile, unreadable, or another version
-    return budgets
+            seg = _Segment(name, path)
+        except FileNotFoundError:
+            continue  # removed while listing
+        except (OSError, KVCachedError) as exc:
+            yield name, exc
+            continue
+        try:
+            yield name, seg.snapshot()
+        except (OSError, KVCachedError) as exc:
+            yield name, exc
+        finally:
+            seg.close()
+
+
+def list_budgets() -> list[BudgetSnapshot]:
+    """Every readable budget on this machine, sorted by name (``scan_budgets`` also names the
+    unreadable ones)."""
+    return [snap for _, snap in scan_budgets() if isinstance(snap, BudgetSnapshot)]
+
+
+def invalid_budget(raw: bytes) -> str | None:
+    """Why ``raw`` (a file's first SEGMENT_BYTES bytes or fewer) cannot be a budget of any layout
+    version, or None if it may be one. Never says so of a budget another kvcached version wrote:
+    only a file of this version can be known to be truncated."""
+    if len(raw) < 8:
+        return f"{len(raw)} bytes, not a kvcached budget"
+    if raw[:4] != MAGIC:
+        return f"magic {raw[:4]!r}, not a kvcached budget"
+    if struct.unpack_from("=I", raw, 4)[0] == VERSION and len(raw) < SEGMENT_BYTES:
+        return (f"{len(raw)} bytes, not a kvcached budget any more (truncated; a budget is "
+                f"{SEGMENT_BYTES} bytes)")
+    return None
+
+
+def remove_broken_budgets() -> dict[str, str]:
+    """Remove the files at budget names that cannot be budgets (truncated or overwritten by
+    another program: their holders already stopped counting against them, see ``release``);
+    {name: why}. A budget of another layout version is kept. Each file is judged again under
+    its flock just before the unlink, so a budget created anew at the name meanwhile stays.
+    O(files)."""
+    def broken(raw: bytes) -> bool:
+        return invalid_budget(raw) is not None
+
+    removed = {}
+    for entry in _budget_entries():
+        path = os.path.join(SHM_DIR, entry)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # removed meanwhile, or another user's: not ours to judge
+        try:
+            why = invalid_budget(os.pread(fd, SEGMENT_BYTES, 0))
+        finally:
+            os.close(fd)
+        try:
+            if why is not None and replace_if_dead(path, broken, SEGMENT_BYTES):
+                removed[entry[len(BUDGET_PREFIX):]] = why
+        except OSError:
+            continue
+    return removed
 
 
 def gc_budgets() -> dict[str, int]:
@@ -421,22 +489,31 @@ def gc_budgets() -> dict[str, int]:
 
 
 def delete_budget(name: str, force: bool = False) -> None:
-    """Remove budget ``name``.
+    """Remove budget ``name``; with ``force``, whatever file has its name: a budget in use, a
+    file another program truncated or overwrote, a budget of another layout version.
 
     Raises:
-        KVCachedError: no such budget; or live processes hold slots in it and ``force`` is False
-            (they would go on counting against a budget nobody else sees). Nothing removed.
+        KVCachedError: no file of that name; the name is invalid; without ``force``: the file is
+            not a budget of this version, or live processes hold slots in it (they would go on
+            counting against a budget nobody else sees); or the file cannot be unlinked (the
+            message says why). Nothing removed.
     """
-    snap = read_budget(name)
-    live = [h.pid for h in snap.holders if h.alive]
-    if live and not force:
-        raise KVCachedError(
-            f"budget {name!r} is in use by pid(s) {', '.join(map(str, live))}; stop them first "
-            "or force the removal (kvctl budget NAME --delete --force)")
+    path = budget_path(name)
+    if not force:
+        live = [h.pid for h in read_budget(name).holders if h.alive]
+        if live:
+            raise KVCachedError(
+                f"budget {name!r} is in use by pid(s) {', '.join(map(str, live))}; stop them "
+                f"first or force the removal (kvctl budget {name} --delete --force)")
     try:
-        os.unlink(snap.path)
+        os.unlink(path)
     except FileNotFoundError:
-        pass
+        if force:  # (without it, read_budget said so; a removal since then is no error)
+            raise KVCachedError(
+                f"no budget named {name!r} ({path} does not exist); `kvctl budget` lists the "
+                "budgets") from None
+    except OSError as exc:
+        raise KVCachedError(f"cannot remove budget {name!r}: {path}: {exc.strerror}") from None
 
 
 class _Heartbeat:

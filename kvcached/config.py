@@ -2,12 +2,20 @@
 
 Nothing else in kvcached reads the environment. ``settings()`` reads it on first use and caches
 the result; ``reload_settings()`` reads it again (tests, or after ``shutdown_kvcached``).
+
+A ``KVCACHED_*`` variable that is no setting (not in SETTINGS, nor in NOT_SETTINGS) is most likely
+a misspelling, which would otherwise be ignored without a word: reading the settings warns once
+per process per name, with ``warnings.warn(..., UnknownSettingWarning)``, naming the closest
+setting. See Note [Warning of unknown variables].
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -124,6 +132,50 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 
+# KVCACHED_* variables of this project's own scripts and CI, read by them and not by kvcached:
+# no warning for these. .ci/vllm_pool_plugin.py: which pool vLLM's tests run and its page size;
+# scripts/gpu_check.sh: the commit its report names; .ci/run_vllm: where vLLM's venv goes.
+NOT_SETTINGS = frozenset({"KVCACHED_VLLM_POOL", "KVCACHED_VLLM_PAGE_BYTES", "KVCACHED_COMMIT",
+                          "KVCACHED_CI_VLLM_DIR"})
+_NAMES = tuple(s.name for s in SETTINGS)
+
+
+class UnknownSettingWarning(UserWarning):
+    """A KVCACHED_* environment variable that is no setting: kvcached ignores it."""
+
+
+def unknown_settings(environ: Mapping[str, str]) -> dict[str, str | None]:
+    """{name: the closest setting's name, or None} for every ``KVCACHED_*`` variable of
+    ``environ`` that is neither a setting nor in NOT_SETTINGS, sorted by name. O(variables x
+    settings)."""
+    return {name: _closest(name) for name in sorted(environ)
+            if name.startswith("KVCACHED_") and name not in _NAMES and name not in NOT_SETTINGS}
+
+
+def _closest(name: str) -> str | None:
+    """The setting ``name`` most likely misspells, compared without the common prefix (which
+    would make every name look close)."""
+    suffixes = [known[len("KVCACHED_"):] for known in _NAMES]
+    match = difflib.get_close_matches(name[len("KVCACHED_"):], suffixes, n=1)
+    return f"KVCACHED_{match[0]}" if match else None
+
+
+_warned: set[str] = set()  # the unknown names this process has warned of
+
+
+def _warn_of_unknown(environ: Mapping[str, str]) -> None:
+    """One UnknownSettingWarning per unknown name and process. See Note [Warning of unknown
+    variables]."""
+    for name, closest in unknown_settings(environ).items():
+        if name in _warned:
+            continue
+        _warned.add(name)
+        hint = f"did you mean {closest}?" if closest else "no setting has a similar name."
+        warnings.warn(f"{name} is not a kvcached setting and is ignored; {hint} The settings are "
+                      "the table in kvcached/config.py (README: Configuration).",
+                      UnknownSettingWarning, stacklevel=3)
+
+
 @dataclass(frozen=True)
 class Settings:
     page_size_mb: int
@@ -170,7 +222,9 @@ def settings() -> Settings:
     """The settings of this process, read from the environment on first use."""
     global _cached
     if _cached is None:
-        _cached = _read(dict(os.environ))
+        environ = dict(os.environ)
+        _warn_of_unknown(environ)
+        _cached = _read(environ)
     return _cached
 
 
@@ -179,3 +233,16 @@ def reload_settings() -> Settings:
     global _cached
     _cached = None
     return settings()
+
+
+# Note [Warning of unknown variables]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# KVCACHED_PAGE_SIZE=4 (for KVCACHED_PAGE_SIZE_MB) was ignored silently: the instance ran with
+# 2 MiB pages and nothing said why. An unknown name cannot be refused the way a bad value is
+# (KVCachedConfigError): other tools share the prefix (NOT_SETTINGS lists this project's own),
+# and an old deployment's leftover variable must not stop a server. So it warns, once per name
+# and process (settings are read again after every shutdown_kvcached), with the closest name
+# difflib finds in SETTINGS. warnings.warn rather than the kvcached logger: it reaches stderr
+# even when the application configured no logging (and before KVCACHED_LOG_LEVEL applies), it
+# names its category, so `-W error::kvcached.config.UnknownSettingWarning` makes a CI job fail
+# on a misspelling, and an application can silence it with the warnings filter.

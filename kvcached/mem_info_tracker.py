@@ -19,8 +19,9 @@ below, the seqlock fences, names); Part 2, the reader used by ``kvctl`` and ``kv
 (``read_segment``, ``list_segments``, ``request_limit``, ``wait_for_ack``, ``delete_segment``,
 ``gc_segments``) and the limit arithmetic shared with the runtime (``classify_limit_request``,
 ``split_limit``); Part 3, the owner's publisher and request watcher (``MemInfoTracker``) with its
-clean-up at exit. One module, not three: the layout, the readers' seqlock and the writers'
-seqlock are one protocol, checked together (Note [Seqlock over pread and pwrite]).
+clean-up at exit (atexit; signal handlers only when the application calls ``close_on_signals``).
+One module, not three: the layout, the readers' seqlock and the writers' seqlock are one protocol,
+checked together (Note [Seqlock over pread and pwrite]).
 
 Segment layout, version 1 (512 bytes, native byte order: little-endian on every CUDA host)
 
@@ -79,7 +80,7 @@ import signal
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 
 from ._shm import (  # noqa: F401  (MAX_NAME_BYTES: re-exported)
@@ -632,7 +633,7 @@ def split_limit(limit_bytes: int, capacities: list[int], page_size_bytes: int = 
 # ============================================================================================
 
 # --------------------------------------------------------------------------------------------
-# Clean-up on exit and on signals. See Note [Signals and clean-up].
+# Clean-up on exit, and on signals when the application asks. See Note [Signals and clean-up].
 # --------------------------------------------------------------------------------------------
 
 _to_close: dict[int, MemInfoTracker] = {}
@@ -641,19 +642,48 @@ _signals_chained: set[int] = set()
 
 
 def close_at_exit(obj: MemInfoTracker) -> None:
-    """Call ``obj.close()`` at interpreter exit, or before SIGTERM/SIGINT kill the process."""
+    """Call ``obj.close()`` at interpreter exit (atexit; no signal handler, see
+    ``close_on_signals``)."""
     with _to_close_lock:
         if not _to_close:
             atexit.register(_close_all)
         _to_close[id(obj)] = obj
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            if signum not in _signals_chained:
-                previous = signal.getsignal(signum)
-                if previous is None:
-                    continue  # installed outside Python: cannot be chained
-                signal.signal(signum, _make_handler(previous))
-                _signals_chained.add(signum)
+
+
+def close_on_signals(signums: Iterable[int] = (signal.SIGTERM,)) -> None:
+    """Opt in: make each of ``signums`` close every tracker of this process (removing its
+    segment) before the signal has its previous effect.
+
+    kvcached installs no signal handler by itself: without this call a SIGTERM kills the process
+    as it would without kvcached, and its segments are left to ``gc_segments`` (``kvctl gc``),
+    which sees their owner dead, or to the next instance of the same name. Call it from the main
+    thread, after the application installed its own handlers: a previous Python handler is then
+    called in its place (clean-up left to the exit it leads to), SIG_IGN stays ignored, and for
+    SIG_DFL the trackers are closed and the signal re-sent, so the process still dies of it.
+    Idempotent per signal. See Note [Signals and clean-up].
+
+    Raises:
+        KVCachedConfigError: not on the main thread, or a value that is no signal a handler can
+            be installed for (SIGKILL, SIGSTOP, out of range, not an int). No handler changed.
+    """
+    signums = list(signums)
+    catchable = signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP}
+    for signum in signums:
+        if isinstance(signum, bool) or not isinstance(signum, int) or signum not in catchable:
+            raise KVCachedConfigError(
+                f"signal {signum!r} is invalid: give signals a handler can be installed for, "
+                "such as signal.SIGTERM or signal.SIGHUP (never SIGKILL or SIGSTOP)")
+    if threading.current_thread() is not threading.main_thread():
+        raise KVCachedConfigError(
+            "close_on_signals() was called off the main thread: Python installs signal handlers "
+            "only from the main thread; call it there")
+    for signum in signums:
+        if signum not in _signals_chained:
+            previous = signal.getsignal(signum)
+            if previous is None:
+                continue  # installed outside Python: cannot be chained
+            signal.signal(signum, _make_handler(previous))
+            _signals_chained.add(signum)
 
 
 def cancel_close_at_exit(obj: MemInfoTracker) -> None:
@@ -1149,13 +1179,19 @@ def _status_code(status: str) -> int:
 # Note [Signals and clean-up]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # close() unlinks the segment; atexit runs it at a normal exit, including one by an uncaught
-# KeyboardInterrupt. A signal whose previous disposition is SIG_DFL would kill the process
-# without atexit (SIGTERM), so the handler closes every tracker (without joining its thread:
-# the main thread the handler interrupted may hold the write lock the thread waits for, and the
-# process dies next anyway; the write lock is re-entrant for the same reason), restores
-# SIG_DFL and re-sends the signal: the process still dies of it, with the usual exit status. A
-# previous Python handler (SIGINT's default_int_handler, a server's own) is called instead and
-# clean-up is left to the exit it leads to: unlinking then would hide a process that catches
-# KeyboardInterrupt and keeps running. SIG_IGN stays ignored. Handlers can only be installed
-# from the main thread; elsewhere atexit alone applies. A SIGKILLed owner leaves its segment
-# behind: readers see it as dead and gc_segments() removes it.
+# KeyboardInterrupt (SIGINT's default) or by a SystemExit an application's SIGTERM handler
+# raises. kvcached installs no signal handler unless the application calls close_on_signals():
+# making a tracker used to wrap the SIGTERM and SIGINT handlers of the main thread, and whether an
+# engine's own handler was then wrapped (installed before) or silently replaced kvcached's
+# (installed after) depended on import order. A process killed by SIGTERM with no handler leaves
+# its segment, as a SIGKILLed one does: readers see its owner dead (Note [Telling a dead owner]),
+# gc_segments() removes it, and an instance of the same name takes it over; a budget slot it held
+# is reclaimed the same way (Note [Slot heartbeats] in budget).
+# With close_on_signals(), a signal whose previous disposition is SIG_DFL would kill the process
+# without atexit, so the handler closes every tracker (without joining its thread: the main
+# thread the handler interrupted may hold the write lock the thread waits for, and the process
+# dies next anyway; the write lock is re-entrant for the same reason), restores SIG_DFL and
+# re-sends the signal: the process still dies of it, with the usual exit status. A previous
+# Python handler (SIGINT's default_int_handler, a server's own) is called instead and clean-up is
+# left to the exit it leads to: unlinking then would hide a process that catches the signal and
+# keeps running. SIG_IGN stays ignored. Handlers can only be installed from the main thread.

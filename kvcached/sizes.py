@@ -1,8 +1,10 @@
 """Sizes as operators type them (512M, 1.5G, 10%) and as they read them (1.50 GiB).
 
 Units are binary: K, M, G, T, P are powers of 1024, with or without "i"/"B" ("2G" = "2GiB" =
-"2GB"), because page sizes and GPU memory are counted in powers of two. Decimals are computed
-exactly in integers (1.5G is 1610612736), then rounded down to whole bytes.
+"2GB"), because page sizes and GPU memory are counted in powers of two. Decimals of a unit are
+computed exactly in integers (1.5G is 1610612736), then rounded down to whole bytes. A number
+without a unit (or with B) counts bytes and must be whole (``4096``, ``4096.0``): ``0.5`` is
+refused, not read as 0 B. See Note [A fraction of a byte].
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
 _NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"      # ASCII digits only (\d would take "٣")
 _SIZE_RE = re.compile(_NUMBER + r"\s*(?:([KMGTP])(?:I?B)?|B)?", re.IGNORECASE)
 _PERCENT_RE = re.compile(_NUMBER + r"\s*%")
-SIZE_HELP = "bytes (4096), a binary unit (512M, 2G, 1.5G) or a percentage of the capacity (10%)"
+SIZE_HELP = "whole bytes (4096), a binary unit (512M, 2G, 1.5G) or a percentage of the capacity (10%)"
 
 
 def parse_size(text: str, capacity_bytes: int | None = None) -> int:
@@ -42,8 +44,29 @@ def parse_size(text: str, capacity_bytes: int | None = None) -> int:
     match = _SIZE_RE.fullmatch(stripped)
     if not match:
         raise ValueError(f"size {stripped!r} is malformed: give {SIZE_HELP}")
-    numerator, denominator = _exact(match.group(1))
-    return numerator * 1024 ** _UNITS[(match.group(2) or "").upper()] // denominator
+    number, unit = match.group(1), (match.group(2) or "").upper()
+    numerator, denominator = _exact(number)
+    if not unit and numerator % denominator:
+        raise ValueError(_fraction_of_a_byte(stripped, number, numerator, denominator))
+    return numerator * 1024 ** _UNITS[unit] // denominator
+
+
+def _fraction_of_a_byte(text: str, number: str, numerator: int, denominator: int) -> str:
+    """The message refusing ``text``, a number of bytes with a fraction. See Note [A fraction of
+    a byte]."""
+    if text[-1] in "bB":
+        return (f"size {text!r} is not a whole number of bytes: give whole bytes, or a larger "
+                f"unit ({number}K)")
+    mib = _decimal(numerator * 1024, denominator)      # exact: 1024 / 10**k ends
+    return (f"size {text!r}: a size without a unit is a whole number of bytes; write {mib}MiB or "
+            f"{number}GiB")
+
+
+def _decimal(numerator: int, denominator: int) -> str:
+    """``numerator / denominator`` (a power of ten) as a decimal, no trailing zeros."""
+    whole, rest = divmod(numerator, denominator)
+    digits = str(rest).rjust(len(str(denominator)) - 1, "0").rstrip("0")
+    return f"{whole}.{digits}" if digits else str(whole)
 
 
 def _exact(decimal: str) -> tuple[int, int]:
@@ -65,3 +88,14 @@ def format_bytes(num_bytes: int) -> str:
         if round(value, 2) < 1024:            # never "1024.00 KiB": that is 1.00 MiB
             break
     return f"{value:.2f} {unit}"
+
+
+# Note [A fraction of a byte]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A number without a unit counts bytes, and decimals are rounded down to whole bytes, so `kvctl
+# limit NAME 0.5` used to mean a limit of 0 B: the instance released everything, where the
+# operator had meant half a GiB (and KVCACHED_GLOBAL_BUDGET_BYTES=0.5 made a budget nobody could
+# take a page from). A unit makes rounding harmless (0.0001K is a fraction of one byte off); a
+# bare number with a fraction is a unit forgotten, so it is refused, and the message offers the
+# GiB reading in two exact spellings (0.5 -> 512MiB or 0.5GiB: 1024 / 10**k is always a finite
+# decimal). A whole number written with a point (4096.0) means what it says and is taken.

@@ -29,6 +29,41 @@ def host_backend() -> HostBackend:
     return HostBackend(GRANULARITY, 16 * GRANULARITY)
 
 
+# -- no shared-memory file left behind ------------------------------------------------------
+
+def _shm_files_of_this_run() -> set[str]:
+    """/dev/shm files named by _procs.unique_name (``test-<tag>-<pid>-<hex>``) or default segment
+    names (``kvcached_<pid>_<n>``) of this test process: the ones its tests made, whoever runs
+    beside it."""
+    import os
+    import re
+
+    pid = os.getpid()
+    ours = re.compile(rf"-{pid}-[0-9a-f]{{8}}|kvcached_{pid}_[0-9]")
+    try:
+        return {entry for entry in os.listdir("/dev/shm") if ours.search(entry)}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture
+def shm_clean():
+    """Fail the test if it left a shared-memory file (segment, budget, scratch file) it made;
+    remove what it left, so that one failure leaves nothing for the next run. Use it for a whole
+    module with ``pytestmark = pytest.mark.usefixtures("shm_clean")``."""
+    import os
+
+    before = _shm_files_of_this_run()
+    yield
+    left = sorted(_shm_files_of_this_run() - before)
+    for entry in left:
+        try:
+            os.unlink(os.path.join("/dev/shm", entry))
+        except FileNotFoundError:
+            pass
+    assert not left, f"shared-memory files left behind in /dev/shm: {left}"
+
+
 # -- the runtime-level fixture of test_kv_cache_manager / test_runtime / test_manager_integrity ----
 
 def _own_segments() -> set:

@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import threading
 import time
@@ -20,10 +21,20 @@ from hypothesis import strategies as st
 
 from _procs import Proc, unique_name
 from kvcached import budget as kb
-from kvcached.budget import Budget, delete_budget, gc_budgets, read_budget, set_budget
+from kvcached.budget import (
+    Budget,
+    delete_budget,
+    gc_budgets,
+    read_budget,
+    remove_broken_budgets,
+    scan_budgets,
+    set_budget,
+)
 from kvcached.errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
 
 MiB = 1 << 20
+
+pytestmark = pytest.mark.usefixtures("shm_clean")
 
 
 def _wait(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
@@ -470,3 +481,86 @@ def test_holder_survives_its_budget_file_being_truncated_or_overwritten(name, ch
         "not a kvcached budget" in report.get("acquire_error", ""))
     assert report["held_after_release"] == 0
     assert err.count("stops counting against it") == 1  # one warning
+
+
+# -- a corrupt budget file: listed, removed by gc and by delete --force --------------------------
+
+def _corrupt(path: str, how: str) -> None:
+    """Change a budget file as another program could."""
+    if how == "empty":
+        os.truncate(path, 0)
+    elif how == "short header":
+        os.truncate(path, 20)
+    elif how == "truncated slots":  # magic and version intact
+        os.truncate(path, kb.SEGMENT_BYTES - 1)
+    elif how == "scribbled":
+        with open(path, "r+b") as f:
+            f.write(b"\x1b[2J")
+    elif how == "zeroed":
+        os.truncate(path, 0)
+        os.truncate(path, kb.SEGMENT_BYTES)
+    else:  # "other version": a budget another kvcached wrote
+        with open(path, "r+b") as f:
+            f.seek(4)
+            f.write(struct.pack("=I", kb.VERSION + 1))
+
+
+CORRUPTIONS = ["empty", "short header", "truncated slots", "scribbled", "zeroed"]
+
+
+@pytest.mark.parametrize("how", [*CORRUPTIONS, "other version"])
+def test_delete_force_removes_whatever_file_has_the_name(name, how):
+    """Every message about an unreadable budget says `--delete --force`: it must work, even though
+    the file cannot be read (it read the budget first, and failed with the same message)."""
+    set_budget(name, MiB)
+    path = kb.budget_path(name)
+    _corrupt(path, how)
+    with pytest.raises(KVCachedError, match="--delete --force"):
+        read_budget(name)
+    with pytest.raises(KVCachedError, match="--delete --force"):
+        delete_budget(name)  # refused without --force, nothing removed
+    if os.path.exists(path) or how == "other version":  # (or a concurrent test's gc removed it)
+        delete_budget(name, force=True)
+    assert not os.path.exists(path)
+    with pytest.raises(KVCachedError, match=f"no budget named {name!r}"):
+        delete_budget(name, force=True)
+
+
+def test_delete_force_removes_a_budget_in_use(name):
+    with Budget.open(name, MiB) as holder:
+        assert holder.try_acquire(1)
+        delete_budget(name, force=True)
+        assert not os.path.exists(kb.budget_path(name))
+
+
+def test_gc_removes_corrupt_budgets_and_keeps_every_other():
+    """gc removes the files at budget names that no kvcached can read as a budget, and says why;
+    it keeps a budget in use and a budget of another layout version (not its to judge)."""
+    broken = {how: unique_name("broken") for how in CORRUPTIONS}
+    live, other = unique_name("live"), unique_name("v3")
+    try:
+        for how, n in broken.items():
+            set_budget(n, MiB)
+            _corrupt(kb.budget_path(n), how)
+        set_budget(other, MiB)
+        _corrupt(kb.budget_path(other), "other version")
+        with Budget.open(live, MiB) as holder:
+            assert holder.try_acquire(MiB // 2)
+            scanned = dict(scan_budgets())
+            for n in broken.values():  # reported, not hidden (unless a concurrent gc took it)
+                assert isinstance(scanned.get(n, KVCachedError()), KVCachedError), scanned.get(n)
+            assert isinstance(scanned[other], KVCachedError)
+            assert scanned[live].held_bytes == MiB // 2
+            removed = remove_broken_budgets()
+            for n in broken.values():
+                assert not os.path.exists(kb.budget_path(n))
+                assert "not a kvcached budget" in removed.get(n, "not a kvcached budget"), removed
+            assert other not in removed and os.path.exists(kb.budget_path(other))
+            assert live not in removed and holder.try_acquire(MiB // 2)
+            holder.check_invariants()
+    finally:
+        for n in (*broken.values(), live, other):
+            try:
+                delete_budget(n, force=True)
+            except KVCachedError:
+                pass

@@ -10,12 +10,14 @@ import pytest
 
 from _procs import KvtopTerminal, Proc, kvctl, run_module, unique_name
 from kvcached import mem_info_tracker as mit
-from kvcached.budget import delete_budget, read_budget
+from kvcached.budget import budget_path, delete_budget, read_budget, set_budget
 from kvcached.errors import KVCachedError
 from kvcached.mem_info_tracker import read_segment
 from kvcached.sizes import format_bytes, parse_size
 
 GiB, MiB = 1 << 30, 1 << 20
+
+pytestmark = pytest.mark.usefixtures("shm_clean")
 
 
 def _instance():
@@ -74,6 +76,9 @@ def test_kvtop_help():
     (["watch", "--interval", "0"], 1, "--interval 0.0 is invalid"),
     (["budget", "no-such-budget-z"], 1, "no budget named 'no-such-budget-z'"),
     (["budget", "b", "10%"], 1, "no capacity is known"),
+    (["limit", "{name}", "0.5"], 1,
+     "size '0.5': a size without a unit is a whole number of bytes; write 512MiB or 0.5GiB"),
+    (["budget", "{name}", "1.5"], 1, "size '1.5': a size without a unit is a whole number of bytes"),
     (["frobnicate"], 2, "invalid choice: 'frobnicate'"),
     (["limit", "{name}"], 2, "required: SIZE"),
 ])
@@ -84,6 +89,7 @@ def test_kvctl_bad_input(unchanged_instance, args, status, message):
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert read_segment(name).request_seq == 0  # nothing was sent
+    assert not os.path.exists(budget_path(name))  # nor a budget created
 
 
 def test_list_json_and_table(unchanged_instance):
@@ -216,6 +222,47 @@ def test_budget_commands():
             delete_budget(name, force=True)
         except KVCachedError:
             pass
+
+
+def test_corrupt_budgets_are_listed_and_removed_by_gc_and_delete_force():
+    """A budget file another program truncated or overwrote: `kvctl budget` names it (it hid it),
+    `kvctl budget NAME --delete --force` removes it and `kvctl gc` too (both failed on it), and
+    a readable budget beside them stays."""
+    good, truncated, scribbled, forced = (unique_name(t) for t in ("good", "trunc", "scrib", "forced"))
+    try:
+        for name in (good, truncated, scribbled, forced):
+            set_budget(name, MiB)
+        os.truncate(budget_path(truncated), 0)
+        os.truncate(budget_path(forced), 100)
+        with open(budget_path(scribbled), "r+b") as f:
+            f.write(b"\x1b[2J")
+        for args in (["budget"], ["budget", "--json"]):
+            listing = kvctl(*args)
+            assert listing.returncode == 0, listing.stderr
+            assert good in listing.stdout and "\x1b" not in listing.stderr
+            for name in (truncated, scribbled, forced):  # (unless a concurrent gc took it)
+                assert (f"budget {name!r} is unreadable" in listing.stderr
+                        or not os.path.exists(budget_path(name))), listing.stderr
+        assert [b["name"] for b in json.loads(kvctl("budget", "--json").stdout)].count(good) == 1
+        refused = kvctl("budget", forced, "--delete")
+        assert refused.returncode == 1 and "--delete --force" in refused.stderr
+        deleted = kvctl("budget", forced, "--delete", "--force")
+        assert deleted.returncode in (0, 1), deleted.stderr  # 1: a concurrent gc came first
+        assert deleted.returncode == 0 or "no budget named" in deleted.stderr
+        assert not os.path.exists(budget_path(forced))
+        gc = kvctl("gc")
+        assert gc.returncode == 0, gc.stderr
+        for name in (truncated, scribbled):
+            assert not os.path.exists(budget_path(name))
+            assert f"removed budget {name} (" in gc.stdout or name not in gc.stdout
+        assert "\x1b" not in gc.stdout
+        assert read_budget(good).budget_bytes == MiB
+    finally:
+        for name in (good, truncated, scribbled, forced):
+            try:
+                delete_budget(name, force=True)
+            except KVCachedError:
+                pass
 
 
 def test_kvtop_once_renders_every_instance(unchanged_instance):

@@ -10,6 +10,10 @@ import math
 import os
 import pathlib
 import re
+import subprocess
+import sys
+import uuid
+import warnings
 
 import pytest
 from hypothesis import given, settings
@@ -39,8 +43,9 @@ CASES = {
                           ["", "  ", "a/b", ".", "..", "a\nb", "a\x7fb", "x" * 201, "é" * 101,
                            "bad\udcffutf8"]),
     "KVCACHED_GLOBAL_BUDGET": ([("gpu0", "gpu0")], ["", "a/b", "bad\udcff", "y" * 201]),
-    "KVCACHED_GLOBAL_BUDGET_BYTES": ([("4096", 4096), ("512M", 512 << 20), ("1.5G", 3 << 29), ("0", 0)],
-                                     ["-1G", "10%", "1.5X", "G", ""]),
+    "KVCACHED_GLOBAL_BUDGET_BYTES": ([("4096", 4096), ("512M", 512 << 20), ("1.5G", 3 << 29), ("0", 0),
+                                      ("4096.0", 4096)],
+                                     ["-1G", "10%", "1.5X", "G", "", "0.5", "1.5 B"]),
     "KVCACHED_LOG_LEVEL": ([("debug", "DEBUG"), ("INFO", "INFO"), (" warning ", "WARNING"),
                             ("critical", "CRITICAL")],
                            ["", "verbose", "WARN", "10"]),
@@ -172,3 +177,78 @@ def test_nothing_else_reads_the_environment():
             continue
         found = reads.search(path.read_text())
         assert found is None, f"{path.relative_to(package)} reads the environment ({found.group(0)})"
+
+
+# -- KVCACHED_* variables that are no setting ----------------------------------------------------
+
+KNOWN = {s.name for s in config.SETTINGS}
+REPO = pathlib.Path(config.__file__).parent.parent
+
+
+@pytest.mark.parametrize("name, closest", [
+    ("KVCACHED_PAGE_SIZE", "KVCACHED_PAGE_SIZE_MB"), ("KVCACHED_IDLE_TRIM", "KVCACHED_IDLE_TRIM_S"),
+    ("KVCACHED_MIN_RESERVED_PAGE", "KVCACHED_MIN_RESERVED_PAGES"), ("KVCACHED_TRACKR", "KVCACHED_TRACKER"),
+    ("KVCACHED_GLOBAL_BUDGET_BYTE", "KVCACHED_GLOBAL_BUDGET_BYTES"), ("KVCACHED_XYZZY", None),
+])
+def test_unknown_settings_name_the_closest(name, closest):
+    assert config.unknown_settings({name: "1", "KVCACHED_LAYOUT": "auto", "PATH": "/bin"}) == {name: closest}
+
+
+@settings(max_examples=300, deadline=None)
+@given(names=st.lists(st.one_of(
+    st.sampled_from(sorted(KNOWN | config.NOT_SETTINGS)),
+    st.text("ABCDEFGHIJKLMNOPQRSTUVWXYZ_0123456789", max_size=24).map(lambda t: "KVCACHED_" + t),
+    st.text("ABCDEFGHIJKLMNOPQRSTUVWXYZ_", min_size=1, max_size=24)), max_size=8))
+def test_unknown_settings_are_exactly_the_unknown_kvcached_variables(names):
+    environ = {name: "1" for name in names}
+    unknown = config.unknown_settings(environ)
+    assert set(unknown) == {n for n in environ if n.startswith("KVCACHED_") and n not in KNOWN
+                            and n not in config.NOT_SETTINGS}
+    assert all(closest is None or closest in KNOWN for closest in unknown.values())
+
+
+def test_an_unknown_variable_warns_once_per_process(env):
+    name = f"KVCACHED_ZERO_PAGES_{uuid.uuid4().hex.upper()}"
+    env.setenv(name, "1")
+    with pytest.warns(config.UnknownSettingWarning, match=f"{name} is not a kvcached setting"):
+        config.reload_settings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.reload_settings()  # the same name again: silent
+
+
+def _settings_in_a_fresh_process(**environ: str) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    code = "from kvcached import config; config.reload_settings(); config.reload_settings()"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**base, "PYTHONPATH": str(REPO), **environ})
+
+
+def test_misspelled_variables_warn_once_each_naming_the_setting_meant():
+    """They were ignored silently: KVCACHED_PAGE_SIZE=4 left the page size at 2 MiB."""
+    result = _settings_in_a_fresh_process(KVCACHED_PAGE_SIZE="4", KVCACHED_IDLE_TRIM="1",
+                                          KVCACHED_VLLM_POOL="stock", KVCACHED_LAYOUT="auto")
+    assert result.returncode == 0, result.stderr
+    warned = re.findall(r"UnknownSettingWarning: (KVCACHED_\w+) is not a kvcached setting and is "
+                        r"ignored; did you mean (KVCACHED_\w+)\?", result.stderr)
+    assert sorted(warned) == [("KVCACHED_IDLE_TRIM", "KVCACHED_IDLE_TRIM_S"),
+                              ("KVCACHED_PAGE_SIZE", "KVCACHED_PAGE_SIZE_MB")], result.stderr
+
+
+def test_known_variables_warn_nothing():
+    result = _settings_in_a_fresh_process(**{"KVCACHED_LAYOUT": "auto", "KVCACHED_VLLM_POOL": "stock"})
+    assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr
+
+
+def test_the_project_sets_no_unknown_variable():
+    """Tests, benchmarks, scripts, CI and the README name only settings or NOT_SETTINGS, so that
+    none of them warns (``KVCACHED_MIN/MAX_...`` in prose is two settings; this file names
+    misspellings on purpose)."""
+    token = re.compile(r"KVCACHED_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_/])")
+    paths = [REPO / "README.md", REPO / "pyproject.toml"]
+    for folder in ("tests", "benchmarks", "scripts", ".ci", "kvcached/demo"):
+        paths += [p for p in (REPO / folder).rglob("*") if p.is_file() and p.suffix in (
+            ".py", ".sh", ".md", ".toml", ".txt", "")]
+    found = {(name, str(p.relative_to(REPO))) for p in paths if p.name != "test_config.py"
+             for name in token.findall(p.read_text(errors="replace"))}
+    assert {(name, where) for name, where in found if name not in KNOWN | config.NOT_SETTINGS} == set()

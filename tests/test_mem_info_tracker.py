@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _procs import Proc, unique_name
+from _procs import ENV, Proc, unique_name
 from kvcached import mem_info_tracker as mit
 from kvcached.errors import KVCachedConfigError, KVCachedError
 from kvcached.mem_info_tracker import (
@@ -23,6 +26,7 @@ from kvcached.mem_info_tracker import (
     NO_LIMIT,
     MemInfoTracker,
     classify_limit_request,
+    close_on_signals,
     gc_segments,
     list_segments,
     read_segment,
@@ -30,6 +34,9 @@ from kvcached.mem_info_tracker import (
     split_limit,
     wait_for_ack,
 )
+
+
+pytestmark = pytest.mark.usefixtures("shm_clean")
 
 
 @pytest.fixture
@@ -211,18 +218,62 @@ def test_dead_owners_name_is_taken_over():
         t.check_invariants()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_unlinks_and_keeps_the_default_exit(signum):
-    name = unique_name("sig")
+# -- signals: none handled unless the application asks (close_on_signals) ----------------------
+
+_HANDLERS = """
+import json, signal, sys
+from kvcached.mem_info_tracker import MemInfoTracker
+if sys.argv[2] == "engine-first":  # the engine installs its handlers before kvcached is used
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+before = [repr(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT)]
+trackers = [MemInfoTracker(sys.argv[1]), MemInfoTracker(sys.argv[1] + ".b")]
+print(json.dumps({"before": before,
+                  "after": [repr(signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT)]}))
+"""
+
+
+@pytest.mark.parametrize("order", ["engine-first", "defaults"])
+def test_making_a_tracker_installs_no_signal_handler(order):
+    """Trackers wrapped the SIGTERM and SIGINT handlers of the main thread: an engine's handler
+    installed before kvcached was wrapped, one installed after replaced kvcached's. Now neither
+    changes; clean-up at a normal exit is atexit's (the process ends here without closing its
+    trackers)."""
+    name = unique_name("nosig")
+    result = subprocess.run([sys.executable, "-c", _HANDLERS, name, order], capture_output=True,
+                            text=True, env=ENV, timeout=60)
+    assert result.returncode == 0, result.stderr
+    handlers = json.loads(result.stdout)
+    assert handlers["after"] == handlers["before"], handlers
+    assert not os.path.exists(mit.segment_path(name))  # removed at exit, by atexit
+    assert not os.path.exists(mit.segment_path(name + ".b"))
+
+
+def test_sigterm_kills_at_once_and_gc_collects_the_segment():
+    """With no handler, SIGTERM kills as without kvcached; the segment stays behind, is seen dead
+    (pid gone) and is removed by gc, like a SIGKILLed owner's."""
+    name = unique_name("term")
     with Proc("hold", name) as holder:
         path = read_segment(name).path
-        status = holder.kill(signum)
-    assert status == -signum  # died of the signal, as without kvcached
+        status = holder.kill(signal.SIGTERM)
+    assert status == -signal.SIGTERM  # died of the signal, as without kvcached
+    if os.path.exists(path):  # (or a concurrent test's gc removed it already)
+        assert not read_segment(name).alive
+        assert gc_segments().get(name, "owner dead") == "owner dead"
     assert not os.path.exists(path)
 
 
-def test_sigterm_chains_to_the_programs_own_handler():
-    name = unique_name("chain")
+def test_sigint_exits_through_keyboard_interrupt_and_atexit_unlinks():
+    name = unique_name("int")
+    with Proc("hold", name) as holder:
+        path = read_segment(name).path
+        status = holder.kill(signal.SIGINT)
+    assert status == -signal.SIGINT  # Python's own exit for an uncaught KeyboardInterrupt
+    assert not os.path.exists(path)
+
+
+def test_the_programs_own_sigterm_handler_runs_and_atexit_unlinks():
+    name = unique_name("own")
     with Proc("hold", name, "--own-sigterm") as holder:
         path = read_segment(name).path
         status = holder.kill(signal.SIGTERM)
@@ -239,17 +290,63 @@ def test_normal_exit_unlinks():
     assert not os.path.exists(path)
 
 
+_OPTED_IN = """
+import sys
+from kvcached.mem_info_tracker import MemInfoTracker, close_on_signals
+tracker = MemInfoTracker(sys.argv[1], heartbeat_interval_s=float(sys.argv[2]))
+close_on_signals()
+print("READY", flush=True)
+k = 0
+while True:  # publish flat out: inside the write lock most of the time
+    k += 1
+    tracker.publish(k, k)
+"""
+
+
+def _opted_in_and_killed(name: str, heartbeat_s: str, signum: int) -> int:
+    """Run a publisher that called close_on_signals(); send it ``signum``; its exit status."""
+    popen = subprocess.Popen([sys.executable, "-c", _OPTED_IN, name, heartbeat_s], env=ENV,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([popen.stdout], [], [], 60)
+        assert ready and popen.stdout.readline().strip() == "READY", popen.stderr.read()
+        assert read_segment(name).alive
+        popen.send_signal(signum)
+        return popen.wait(30)
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+        popen.communicate()
+
+
 @pytest.mark.parametrize("attempt", range(3))
-def test_sigterm_in_the_middle_of_a_write_still_kills_and_unlinks(attempt):
-    """The main thread publishes flat out (inside the write lock most of the time) while the
-    background thread beats every millisecond (waiting for that lock): SIGTERM must still end
-    the process at once, segment removed, instead of waiting on a thread that waits on it."""
+def test_opted_in_sigterm_in_the_middle_of_a_write_still_kills_and_unlinks(attempt):
+    """close_on_signals(): the main thread publishes flat out while the background thread beats
+    every millisecond (waiting for the write lock): SIGTERM must still end the process at once,
+    segment removed, instead of waiting on a thread that waits on it."""
     name = unique_name("termwrite")
-    with Proc("busy", name, "--heartbeat-s", "0.001") as busy:
-        path = read_segment(name).path
-        status = busy.kill(signal.SIGTERM, timeout_s=30)
-    assert status == -signal.SIGTERM
-    assert not os.path.exists(path)
+    assert _opted_in_and_killed(name, "0.001", signal.SIGTERM) == -signal.SIGTERM
+    assert not os.path.exists(mit.segment_path(name))
+
+
+def test_close_on_signals_refuses_what_it_cannot_install():
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)]
+    for bad in ([signal.SIGTERM, signal.SIGKILL], [signal.SIGSTOP], [0], [10_000], ["TERM"], [True]):
+        with pytest.raises(KVCachedConfigError, match=re.escape(repr(bad[-1]))):
+            close_on_signals(bad)
+    errors = []
+
+    def off_main() -> None:
+        try:
+            close_on_signals()
+        except KVCachedConfigError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=off_main)
+    thread.start()
+    thread.join(30)
+    assert len(errors) == 1 and "main thread" in errors[0]
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)] == before
 
 
 class Recorder:

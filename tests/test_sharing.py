@@ -29,6 +29,8 @@ SCRIPT = os.path.join(HERE, "_sharing_procs.py")
 WAIT_S = 30.0           # a hang guard, never a performance bound
 MiB = 1 << 20
 
+pytestmark = pytest.mark.usefixtures("shm_clean")
+
 
 class Manager:
     """A process running one KVCacheManager (tests/_sharing_procs.py), past its ready line."""

@@ -67,12 +67,51 @@ def test_whole_units_are_exact(n, unit, suffix, space):
 
 @settings(max_examples=500, deadline=None)
 @given(whole=st.integers(0, 10**6), fraction=st.text("0123456789", min_size=1, max_size=12),
-       unit=st.sampled_from(sorted(UNITS)))
+       unit=st.sampled_from(sorted(set(UNITS) - {""})))
 def test_decimals_are_exact(whole, fraction, unit):
-    """A decimal is computed as an exact fraction, then rounded down: no float error."""
+    """A decimal of a unit is computed as an exact fraction, then rounded down: no float error."""
     scale = 1024 ** UNITS[unit]
     got = parse_size(f"{whole}.{fraction}{unit}")
     assert got == (int(f"{whole}{fraction}") * scale) // 10 ** len(fraction)
+
+
+@pytest.mark.parametrize("text, fix", [
+    ("0.5", "write 512MiB or 0.5GiB"), (" 0.5 ", "write 512MiB or 0.5GiB"), (".5", "write 512MiB or .5GiB"),
+    ("1.5", "write 1536MiB or 1.5GiB"), ("0.3", "write 307.2MiB or 0.3GiB"), ("4096.5", "4096.5GiB"),
+    ("0.5B", "give whole bytes, or a larger unit (0.5K)"), ("7.25 b", "(7.25K)"),
+])
+def test_a_fraction_of_a_byte_is_refused(text, fix):
+    """`kvctl limit NAME 0.5` meant half a GiB, not 0 B (which releases everything)."""
+    with pytest.raises(ValueError, match="whole number of bytes") as info:
+        parse_size(text)
+    assert repr(text.strip()) in str(info.value) and fix in str(info.value)
+
+
+@pytest.mark.parametrize("text, expected", [("4096.0", 4096), ("4096.", 4096), ("0.000", 0), ("7.00B", 7)])
+def test_a_whole_number_written_with_a_point_is_taken(text, expected):
+    assert parse_size(text) == expected
+
+
+@settings(max_examples=500, deadline=None)
+@given(whole=st.integers(0, 10**6), fraction=st.text("0123456789", min_size=1, max_size=12).filter(
+           lambda digits: digits.strip("0")),
+       leading_point=st.booleans(), suffix=st.sampled_from(["", " ", "B", " B", "b"]))
+def test_random_fractions_of_a_byte_are_refused(whole, fraction, leading_point, suffix):
+    """Every number with a non-zero fraction and no unit (or B) is refused, naming the text; a
+    suggestion given is itself a size, and means the number in GiB exactly."""
+    number = f".{fraction}" if leading_point else f"{whole}.{fraction}"
+    text = number + suffix
+    with pytest.raises(ValueError, match="whole number of bytes") as info:
+        parse_size(text)
+    message = str(info.value)
+    assert repr(text.strip()) in message
+    suggested = re.search(r"write (\S+)MiB or (\S+)GiB$", message)
+    if suffix.strip():
+        assert suggested is None and f"({number}K)" in message
+        assert parse_size(f"{number}K") == int(number.replace(".", "") or "0") * 1024 // 10 ** len(fraction)
+        return
+    exact = int((number.split(".")[0] or "0") + fraction) * (1 << 30) // 10 ** len(fraction)
+    assert parse_size(suggested.group(1) + "MiB") == parse_size(suggested.group(2) + "GiB") == exact
 
 
 @settings(max_examples=1000, deadline=None)

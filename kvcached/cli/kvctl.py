@@ -15,7 +15,15 @@ import re
 import sys
 import time
 
-from ..budget import delete_budget, gc_budgets, list_budgets, read_budget, set_budget
+from ..budget import (
+    BudgetSnapshot,
+    delete_budget,
+    gc_budgets,
+    read_budget,
+    remove_broken_budgets,
+    scan_budgets,
+    set_budget,
+)
 from ..checks import as_int
 from ..errors import KVCachedError
 from ..mem_info_tracker import (
@@ -207,12 +215,15 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     removed = gc_segments()
+    broken = remove_broken_budgets()
     recovered = gc_budgets()
     for name, why in removed.items():
         print(f"removed segment {printable(name)} ({why})")
+    for name, why in broken.items():
+        print(f"removed budget {printable(name)} ({printable(why)})")
     for name, nbytes in recovered.items():
         print(f"budget {printable(name)}: recovered {format_bytes(nbytes)} from dead holders")
-    if not removed and not recovered:
+    if not removed and not broken and not recovered:
         print("nothing to clean")
     return EXIT_OK
 
@@ -227,11 +238,18 @@ def cmd_budget(args: argparse.Namespace) -> int:
     if args.name is None:
         if args.size is not None or args.delete:
             raise _Fail("give a budget NAME")
-        budgets = list_budgets()
+        budgets, unreadable = [], 0
+        for name, snap in scan_budgets():
+            if isinstance(snap, BudgetSnapshot):
+                budgets.append(snap)
+            else:  # shown, not hidden: its message says how to remove it
+                unreadable += 1
+                print(f"kvctl: budget {printable(name)!r} is unreadable: {printable(str(snap))}",
+                      file=sys.stderr)
         if args.json:
             print(json.dumps([b.to_dict() for b in budgets], indent=2))
         elif not budgets:
-            print("no kvcached budgets")
+            print("no readable kvcached budgets" if unreadable else "no kvcached budgets")
         else:
             rows = [["NAME", "BUDGET", "HELD", "FREE", "HOLDERS", "RECOVERED"]]
             for b in budgets:
@@ -298,8 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_watch)
 
     p = sub.add_parser("gc", help="remove dead instances' segments, recover budgets",
-                       description="Remove the segments of dead instances and take back what "
-                                   "dead processes held in budgets.")
+                       description="Remove the segments of dead instances, the files at segment "
+                                   "or budget names that are no segment or budget (truncated or "
+                                   "overwritten), and take back what dead processes held in "
+                                   "budgets.")
     p.set_defaults(run=cmd_gc)
 
     p = sub.add_parser("delete", help="remove an instance's segment",
@@ -313,12 +333,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="No NAME: list budgets. NAME: show it. NAME SIZE: create it "
                                    "or change its size. NAME --delete: remove it.")
     p.add_argument("name", metavar="NAME", nargs="?")
-    p.add_argument("size", metavar="SIZE", nargs="?", help="bytes (4096) or a binary unit (40G)")
+    p.add_argument("size", metavar="SIZE", nargs="?",
+                   help="whole bytes (4096) or a binary unit (40G, 0.5G)")
     p.add_argument("--stale-after", type=float, metavar="SECONDS",
                    help="with SIZE: a holder in another pid namespace (container) whose heartbeat "
                         "is older is dead and its share reclaimed (default 10 when creating)")
     p.add_argument("--delete", action="store_true", help="remove the budget")
-    p.add_argument("--force", action="store_true", help="with --delete: even if it is in use")
+    p.add_argument("--force", action="store_true",
+                   help="with --delete: even if it is in use, unreadable or of another version")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=cmd_budget)
     return parser
