@@ -2,7 +2,7 @@
 
 A KV group has ``L`` layers, ``K`` buffers per layer (``num_kv_buffers``: 2 = K and V, 1 = MLA's
 latent buffer), blocks of ``B = block_bytes`` bytes per buffer and layer, and pages of
-``P = page_bytes`` bytes per buffer (KVCACHED_PAGE_SIZE, a multiple of the backend granularity).
+``P = page_bytes`` bytes per buffer (KVCACHED_PAGE_SIZE_MB, a multiple of the backend granularity).
 A *page id* is the unit the page table maps; mapping it must back every layer and buffer.
 
 Layout table: block ``b`` of layer ``l``, buffer ``k`` lies at
