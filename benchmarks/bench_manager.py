@@ -1,13 +1,17 @@
 """Manager-level benchmark: the goals of benchmarks/README.md measured through the public API.
 
-    python benchmarks/bench_manager.py [--device cpu|cuda] [--layouts per_layer interleaved page_grouped]
+    python benchmarks/bench_manager.py [--device cpu|cuda] [--model 32L|16L]
+                                       [--layouts per_layer interleaved page_grouped]
                                        [--json PATH] [--quick]
 
 Every figure goes through what serving code calls: ``init_kvcached``, ``alloc_kv_cache`` and a
 ``KVCacheManager`` (its ``alloc`` / ``free`` / ``available_size``), once per layout
-(``KVCACHED_LAYOUT``), for one model: 32 layers, 8 KV heads x 128 dim, bf16, block_size 16
-(32 KiB per block and buffer), 2 MiB pages (64 blocks per page id), ~117 GiB of KV virtual
-(59904 blocks). Rows (one table, one column per layout):
+(``KVCACHED_LAYOUT``), for one model (MODELS), 2 MiB pages and block_size 16:
+  32L (default)  32 layers, 8 KV heads x 128 dim, bf16: 32 KiB per block and buffer, 64 blocks
+                 per page id, 59904 blocks (~117 GiB of KV virtual)
+  16L            16 layers, 8 KV heads x 64 dim, fp16: 16 KiB per block and buffer, 128 blocks
+                 per page id, 65536 blocks (32 GiB of KV virtual)
+Rows (one table, one column per layout):
 
   create KV tensors          alloc_kv_cache after init_kvcached (reserve + torch views), ms
   alloc(k)+free, pool on     k = 1, 16, 256; default pool (min 5, max 10 pages), pool warm
@@ -41,6 +45,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -48,10 +53,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_alloc import cycle, threads_ops, time_per_call  # noqa: E402
 
 LAYOUTS = ("per_layer", "interleaved", "page_grouped")
-NUM_LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-NUM_BLOCKS = 59904                      # 117 GiB of KV: 59904 x 32 layers x 2 x 32 KiB
+BLOCK_SIZE = 16
 HOST_CAPACITY = 1 << 45                 # host backend: slots only, never touched
 KS = (1, 16, 256)
+
+
+class Model(NamedTuple):
+    """One model's KV geometry (block_size BLOCK_SIZE, 2 MiB pages)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str                          # a torch dtype name
+    num_blocks: int
+
+
+MODELS = {
+    "32L": Model(32, 8, 128, "bfloat16", 59904),   # 117 GiB of KV: 59904 x 32 layers x 2 x 32 KiB
+    "16L": Model(16, 8, 64, "float16", 65536),     # 32 GiB: 65536 x 16 layers x 2 x 16 KiB, 128 blocks per page
+}
+DEFAULT_MODEL = MODELS["32L"]
 
 
 # -- one manager per configuration ------------------------------------------------------------
@@ -75,7 +96,7 @@ class Instance:
     """init_kvcached + alloc_kv_cache + KVCacheManager for one layout and pool setting."""
 
     def __init__(self, device: str, layout: str, pool: tuple[int, int] | None = None,
-                 num_blocks: int = NUM_BLOCKS):
+                 num_blocks: int | None = None, model: Model = DEFAULT_MODEL):
         import torch
 
         from kvcached import (
@@ -91,12 +112,14 @@ class Instance:
         gc.collect()
         dev = "cpu" if device == "cpu" else "cuda:0"
         init_kvcached(device=dev, host_capacity_bytes=HOST_CAPACITY if device == "cpu" else None)
+        num_blocks = model.num_blocks if num_blocks is None else num_blocks
+        dtype = getattr(torch, model.dtype)
         t0 = time.perf_counter()            # what the goal times: reserve the ranges + torch views
-        self.kv = alloc_kv_cache((2, num_blocks, BLOCK_SIZE, HEADS, HEAD_DIM), BLOCK_SIZE, torch.bfloat16, dev,
-                                 NUM_LAYERS)
+        self.kv = alloc_kv_cache((2, num_blocks, BLOCK_SIZE, model.kv_heads, model.head_dim), BLOCK_SIZE, dtype,
+                                 dev, model.layers)
         self.create_ms = (time.perf_counter() - t0) * 1e3
-        cell = HEADS * HEAD_DIM * torch.bfloat16.itemsize
-        self.m = KVCacheManager(num_blocks, BLOCK_SIZE, cell, NUM_LAYERS)
+        cell = model.kv_heads * model.head_dim * dtype.itemsize
+        self.m = KVCacheManager(num_blocks, BLOCK_SIZE, cell, model.layers)
         self.pages = self.m._pages
         self.table = self.m._group.page_table
         self.backend = self.table.backend
@@ -215,10 +238,10 @@ def map_one_page(inst: Instance, n: int) -> dict:
     return out
 
 
-def run_layout(device: str, layout: str, quick: bool) -> dict:
+def run_layout(device: str, layout: str, quick: bool, model: Model = DEFAULT_MODEL) -> dict:
     mt = 0.05 if quick else 0.2
     res = {"layout": layout}
-    inst = Instance(device, layout)
+    inst = Instance(device, layout, model=model)
     res["create_ms"] = inst.create_ms
     res["blocks_per_page"] = inst.blocks_per_page
     inst.warm_pool()
@@ -229,13 +252,13 @@ def run_layout(device: str, layout: str, quick: bool) -> dict:
         res[f"threads_{n}_ops"] = threads_ops(inst.m, n, seconds=0.15 if quick else 0.5)
     inst.close()
     for gap, key in ((50e-6, "ramp_50us"), (0.0, "ramp_b2b")):
-        inst = Instance(device, layout)
+        inst = Instance(device, layout, model=model)
         res[key] = ramp(inst, 300 if quick else 1000, gap_s=gap)
         inst.close()
-    inst = Instance(device, layout)
+    inst = Instance(device, layout, model=model)
     res["refill_gap"] = refill_gap(inst, 10 if quick else 50)
     inst.close()
-    inst = Instance(device, layout, pool=(0, 0))
+    inst = Instance(device, layout, pool=(0, 0), model=model)
     for k in KS:
         res[f"pool_0_{k}_us"] = time_per_call(cycle(inst.m, k), mt / 2, repeats=2) * 1e6
     res["map_page"] = map_one_page(inst, 10 if quick else (40 if layout == "per_layer" else 200))
@@ -269,11 +292,10 @@ def rows_of(res: dict) -> list[tuple[str, str]]:
     return rows
 
 
-def meta(device: str) -> dict:
+def meta(device: str, name: str, model: Model) -> dict:
     info = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "device": device,
             "python": platform.python_version(), "host": platform.node(), "cpus": os.cpu_count(),
-            "model": {"layers": NUM_LAYERS, "kv_heads": HEADS, "head_dim": HEAD_DIM, "dtype": "bf16",
-                      "block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS, "page_mib": 2}}
+            "model": {"name": name, **model._asdict(), "block_size": BLOCK_SIZE, "page_mib": 2}}
     try:
         import torch
 
@@ -288,6 +310,9 @@ def meta(device: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", choices=MODELS, default="32L",
+                        help="32L: 32 layers, 8x128 bf16, 64 blocks per page id (default); "
+                             "16L: 16 layers, 8x64 fp16, 128 blocks per page id")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument("--quick", action="store_true", help="shorter timings (smoke run)")
@@ -304,10 +329,13 @@ def main(argv=None) -> int:
 
         torch.cuda.init()                   # context and torch's CUDA state before any timing
         torch.empty(1, device="cuda")
-    results = {layout: run_layout(args.device, layout, args.quick) for layout in args.layouts}
-    info = meta(args.device)
+    model = MODELS[args.model]
+    results = {layout: run_layout(args.device, layout, args.quick, model) for layout in args.layouts}
+    info = meta(args.device, args.model, model)
+    bpp = results[args.layouts[0]]["blocks_per_page"]
     print(f"kvcached manager benchmark, device={args.device}{', ' + info['gpu'] if 'gpu' in info else ''}; "
-          f"{NUM_LAYERS} layers, {HEADS}x{HEAD_DIM} bf16, block {BLOCK_SIZE}, 2 MiB pages; {info['date']}")
+          f"model {args.model}: {model.layers} layers, {model.kv_heads}x{model.head_dim} {model.dtype}, "
+          f"{model.num_blocks} blocks of {BLOCK_SIZE} ({bpp} per page id), 2 MiB pages; {info['date']}")
     table = {layout: dict(rows_of(res)) for layout, res in results.items()}
     names = list(next(iter(table.values())))
     width = max(len(n) for n in names) + 2

@@ -1,8 +1,9 @@
 # BlockAllocator: free slots per page, best fit, a per-block allocated bit. See Note [Block
-# placement], Note [Allocator locks], Note [try_to_reserve], Note [Block id objects].
+# placement], Note [Allocator locks], Note [try_to_reserve], Note [Block id objects],
+# Note [Bookkeeping memory], Note [Counts and ids past int32].
 
 from cpython.list cimport PyList_New, PyList_GET_SIZE, PyList_GET_ITEM
-from cpython.long cimport PyLong_AsLongLong, PyLong_CheckExact
+from cpython.long cimport PyLong_AsLongLongAndOverflow, PyLong_CheckExact
 from operator import index as _index
 
 cdef extern from *:
@@ -33,11 +34,29 @@ cdef extern from *:
         }
         return 0;
     }
+    /* out[i] = list[i] for i = start, start + 1, ... while the item is an exact int in
+       [0, max_id): returns the index of the first item that is not (n when none), for the
+       caller's slow path (numpy ints, bad ids). Borrowed items, no exception set. */
+    static inline Py_ssize_t kvc_ids_from_list(PyObject* list, Py_ssize_t start, Py_ssize_t n,
+                                               int32_t* out, int32_t max_id) {
+        for (Py_ssize_t i = start; i < n; i++) {
+            PyObject* o = PyList_GET_ITEM(list, i);
+            int overflow;
+            long long v;
+            if (!PyLong_CheckExact(o)) return i;
+            v = PyLong_AsLongLongAndOverflow(o, &overflow);
+            if (overflow || v < 0 || v >= max_id) return i;
+            out[i] = (int32_t)v;
+        }
+        return n;
+    }
     """
     int kvc_ctz64(unsigned long long x) noexcept nogil
     int kvc_clz64(unsigned long long x) noexcept nogil
     int kvc_fill_id_list(object lst, const int32_t* ids, Py_ssize_t n, PyObject** cache,
                          int32_t cache_len) except -1
+    Py_ssize_t kvc_ids_from_list(object lst, Py_ssize_t start, Py_ssize_t n, int32_t* out,
+                                 int32_t max_id) noexcept
 
 cdef enum:
     _ID_CACHE_MAX = 1 << 22     # ids below this reuse one int object each; Note [Block id objects]
@@ -60,19 +79,71 @@ cdef object _int32_view_source(object buf):
     return buf
 
 
-cdef int _count(object n, str what) except? -1:
-    """A block count from an int-like n (numpy and torch ints too); bools and floats refused."""
+cdef long long _count(object n, str what, int* overflow) except? -1:
+    """A block count from an int-like n that is not an exact int (numpy and torch ints); bools
+    and floats refused. Past int64 it sets overflow (the sign) as PyLong_AsLongLongAndOverflow
+    does; see Note [Counts and ids past int32]."""
     if isinstance(n, bool) or getattr(n, "dtype", None) is not None and str(n.dtype) == "bool":
         raise TypeError(f"{what}(n={n!r}): n must be an integer count, not a bool")
-    return _index(n)
+    return PyLong_AsLongLongAndOverflow(_index(n), overflow)
 
 
-cdef long long _block_id(object item) except? -1:
-    """A block id from an int-like item that is not an exact int (numpy, torch ints); bools
-    refused. The caller checks its range."""
+cdef int32_t _block_id(object item, int32_t max_block_id) except -1:
+    """A block id from an item kvc_ids_from_list left: an int-like that is not an exact int
+    (numpy, torch ints) or one out of [0, max_block_id), of any size. Bools refused."""
     if isinstance(item, bool):
         raise TypeError(f"block id {item!r} is a bool, not a block id; nothing was freed.")
-    return PyLong_AsLongLong(_index(item))
+    v = _index(item)
+    if not 0 <= v < max_block_id:
+        raise BlockStateError(
+            f"block id {v} is not a block id of this allocator (valid: [0, {max_block_id})); nothing was freed.")
+    return <int32_t>v
+
+
+cdef object _host_headroom():
+    """(bytes, what) this process can still allocate, the least of the figures the system gives
+    (See Note [Bookkeeping memory]); None when it gives none."""
+    import os
+    import resource
+    figures = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    figures.append((int(line.split()[1]) * 1024, "the available physical memory (MemAvailable)"))
+                    break
+    except OSError:
+        pass
+    if not figures:
+        try:
+            figures.append((os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "the free physical memory"))
+        except (ValueError, OSError):
+            pass
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((line.strip()[3:] for line in f if line.startswith("0::")), None)
+        if path is not None:
+            base = "/sys/fs/cgroup" + path.rstrip("/")
+            with open(base + "/memory.max") as f:
+                top = f.read().strip()
+            if top != "max":
+                with open(base + "/memory.current") as f:
+                    current = int(f.read())
+                figures.append((int(top) - current, f"the cgroup's memory.max ({top} bytes, {current} in use)"))
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            fields = f.read().split()
+        in_use = {resource.RLIMIT_AS: int(fields[0]) * resource.getpagesize(),
+                  resource.RLIMIT_DATA: int(fields[5]) * resource.getpagesize()}
+    except (OSError, IndexError, ValueError):
+        in_use = {}
+    for limit, name in ((resource.RLIMIT_AS, "RLIMIT_AS"), (resource.RLIMIT_DATA, "RLIMIT_DATA")):
+        soft = resource.getrlimit(limit)[0]
+        if soft != resource.RLIM_INFINITY and limit in in_use:
+            figures.append((soft - in_use[limit], f"the {name} limit ({soft} bytes, {in_use[limit]} in use)"))
+    return min(figures) if figures else None
 
 
 cdef class BlockAllocator:
@@ -100,9 +171,13 @@ cdef class BlockAllocator:
         page_first_block, page_num_blocks: one entry per page id of its table; block b lies in
         page (b * id_to_page_num) // id_to_page_den; max_block_id: ids are below it.
 
+        Host memory: its arrays only, ~9 bytes per block id (Note [Bookkeeping memory]); the
+        checks and the set-up are O(pages) beyond them.
+
         Raises KVCachedConfigError when the arrays have the wrong length, an interval is
-        negative or past max_block_id, a block of page p's interval maps to another page, or the
-        page allocator already serves another BlockAllocator."""
+        negative or past max_block_id, a block of page p's interval maps to another page, the
+        arrays would not fit in the host memory the process can still allocate (checked before
+        any is allocated), or the page allocator already serves another BlockAllocator."""
         import numpy as np
         cdef int P = pages.num_table_pages
         cdef int p, i
@@ -127,23 +202,42 @@ cdef class BlockAllocator:
             bad = int(np.flatnonzero(used & ((first < 0) | (first + count > max_block_id)))[0])
             raise KVCachedConfigError(
                 f"page {bad}'s ids [{int(first[bad])}, {int(first[bad] + count[bad])}) fall outside [0, {max_block_id})")
-        page_of = np.repeat(np.arange(P, dtype=np.int64), count)
-        ids = np.repeat(first - (np.cumsum(count) - count), count) + np.arange(int(count.sum()), dtype=np.int64)
-        if ids.size and max(int(ids.max()), 1) * id_to_page_num >= (1 << 62):
+        # b * num // den never decreases with b, so an interval maps to its page when both of
+        # its ends do: O(pages), where one entry per block cost ~32 bytes (Note [Bookkeeping memory])
+        lo = np.where(used, first, 0)
+        hi = np.where(used, first + count - 1, 0)
+        if used.any() and max(int(hi.max()), 1) * id_to_page_num >= (1 << 62):
             raise KVCachedConfigError("block_id * id_to_page_num overflows 62 bits; reduce the ratio")
-        mapped_to = ids * id_to_page_num // id_to_page_den
-        if (mapped_to != page_of).any():
-            j = int(np.flatnonzero(mapped_to != page_of)[0])
+        page_ids = np.arange(P, dtype=np.int64)
+        bad_lo = used & (lo * id_to_page_num // id_to_page_den != page_ids)
+        bad_hi = used & (hi * id_to_page_num // id_to_page_den != page_ids)
+        if (bad_lo | bad_hi).any():
+            p = int(np.flatnonzero(bad_lo | bad_hi)[0])
+            b = int(lo[p] if bad_lo[p] else hi[p])
             raise KVCachedConfigError(
-                f"block {int(ids[j])} is in page {int(page_of[j])}'s interval but maps to page {int(mapped_to[j])} "
-                f"by ({int(ids[j])} * {id_to_page_num}) // {id_to_page_den}: the intervals and the ratio disagree.")
+                f"block {b} is in page {p}'s interval but maps to page {b * id_to_page_num // id_to_page_den} "
+                f"by ({b} * {id_to_page_num}) // {id_to_page_den}: the intervals and the ratio disagree.")
+        total = int(count.sum())
+        most_per_page = int(count.max()) if P else 0
+        id_cache = min(max_block_id, _ID_CACHE_MAX)
+        needed = (P * (3 * sizeof(int32_t) + sizeof(int64_t) + 3 * sizeof(uint8_t) + 3 * sizeof(int32_t))
+                  + max_block_id * sizeof(uint8_t) + 2 * total * sizeof(int32_t)
+                  + (most_per_page + 1) * sizeof(int32_t) + (most_per_page + 64) // 64 * sizeof(uint64_t)
+                  + id_cache * sizeof(PyObject*))
+        headroom = _host_headroom()
+        if headroom is not None and needed > headroom[0]:
+            raise KVCachedConfigError(
+                f"{total} blocks (ids below {max_block_id}, {P} pages) need {needed} bytes "
+                f"({needed / (1 << 30):.1f} GiB) of host memory for the block allocator's bookkeeping (9 bytes per block id, 8 more per id below "
+                f"{_ID_CACHE_MAX}), but {max(0, headroom[0])} bytes are left under {headroom[1]}: ask for fewer blocks "
+                f"(num_blocks), or give the process more memory.")
         self.pages = pages
         self.num_pages = P
         self.max_block_id = <int32_t>max_block_id
         self.id_to_page_num = id_to_page_num
         self.id_to_page_den = id_to_page_den
-        self.total_blocks = int(count.sum())
-        self.max_blocks_per_page = int(count.max()) if P else 0
+        self.total_blocks = total
+        self.max_blocks_per_page = most_per_page
         self.page_first = <int32_t*>calloc(P, sizeof(int32_t))
         self.page_blocks = <int32_t*>calloc(P, sizeof(int32_t))
         self.slot_base = <int64_t*>calloc(P, sizeof(int64_t))
@@ -619,17 +713,21 @@ cdef class BlockAllocator:
         had (out of memory, limit, capacity) — never a partial result; state unchanged on None.
 
         Cost: O(n + pages touched); the pool fast path makes no driver call and keeps the GIL.
+        An n above total_blocks, of any size, is None at once (Note [Counts and ids past int32]).
         Raises ValueError for n < 0, TypeError for an n that is not an integer (1.5, True)."""
         cdef int32_t stack_ids[_STACK_IDS]
         cdef int32_t* out = stack_ids
-        cdef int rc, i, count
+        cdef int rc, i
+        cdef long long count
+        cdef int overflow = 0
         if self.live_token != _fork_generation:
             self._raise_unusable()
-        count = n if PyLong_CheckExact(n) else _count(n, "alloc")
-        if count <= 0:
-            if count < 0:
-                raise ValueError(f"alloc(n={count}): n must be >= 0")
-            return []
+        count = PyLong_AsLongLongAndOverflow(n, &overflow) if PyLong_CheckExact(n) else _count(n, "alloc", &overflow)
+        if overflow or not 0 < count <= self.total_blocks:
+            if count == 0 and not overflow:
+                return []
+            self._refuse_count(n, overflow < 0 or (not overflow and count < 0), "alloc")
+            return None
         if count > _STACK_IDS:
             out = <int32_t*>malloc(count * sizeof(int32_t))
             if out == NULL:
@@ -669,7 +767,6 @@ cdef class BlockAllocator:
         cdef int32_t stack_ids[_STACK_IDS]
         cdef int32_t* buf = stack_ids
         cdef Py_ssize_t n, i
-        cdef long long v
         if self.live_token != _fork_generation:
             self._raise_unusable()
         if not isinstance(ids, list):
@@ -682,13 +779,11 @@ cdef class BlockAllocator:
             if buf == NULL:
                 raise MemoryError
         try:
-            for i in range(n):
-                item = <object>PyList_GET_ITEM(ids, i)
-                v = PyLong_AsLongLong(item) if PyLong_CheckExact(item) else _block_id(item)
-                if v < 0 or v >= self.max_block_id:
-                    raise BlockStateError(
-                        f"block id {v} is not a block id of this allocator (valid: [0, {self.max_block_id})); nothing was freed.")
-                buf[i] = <int32_t>v
+            # exact ints in range in one C loop; the others one by one (numpy ints, or raise)
+            i = kvc_ids_from_list(ids, 0, n, buf, self.max_block_id)
+            while i < n:
+                buf[i] = _block_id(<object>PyList_GET_ITEM(ids, i), self.max_block_id)
+                i = kvc_ids_from_list(ids, i + 1, n, buf, self.max_block_id)
             self._run_free(<int>n, buf)
             if self.debug_checks:
                 self.check_invariants()
@@ -726,16 +821,23 @@ cdef class BlockAllocator:
     def try_to_reserve(self, n) -> bool:
         """Hold `n` more blocks aside (allocated now, so their pages are mapped) for the next
         allocs, which take held blocks first. True, or False with nothing changed. See
-        Note [try_to_reserve]. Raises TypeError for an n that is not an integer."""
+        Note [try_to_reserve]. An n above total_blocks is False at once, like alloc's None.
+        Raises ValueError for n < 0, TypeError for an n that is not an integer."""
         cdef int32_t* out
         cdef int rc, i
+        cdef long long count
+        cdef int overflow = 0
         if self.live_token != _fork_generation:
             self._raise_unusable()
-        cdef int count = _count(n, "try_to_reserve")
-        if count < 0:
-            raise ValueError(f"try_to_reserve(n={count}): n must be >= 0")
-        if count == 0:
-            return True
+        if PyLong_CheckExact(n):
+            count = PyLong_AsLongLongAndOverflow(n, &overflow)
+        else:
+            count = _count(n, "try_to_reserve", &overflow)
+        if overflow or not 0 < count <= self.total_blocks:
+            if count == 0 and not overflow:
+                return True
+            self._refuse_count(n, overflow < 0 or (not overflow and count < 0), "try_to_reserve")
+            return False
         out = <int32_t*>malloc(count * sizeof(int32_t))
         if out == NULL:
             raise MemoryError
@@ -744,6 +846,16 @@ cdef class BlockAllocator:
         finally:
             free(out)
         return rc == 0
+
+    cdef int _refuse_count(self, object n, bint negative, str what) except -1:
+        # alloc's and try_to_reserve's rare counts: a negative one raises; one above total_blocks
+        # is a failed alloc (counted, nothing else changes) for the caller to answer None / False
+        if negative:
+            raise ValueError(f"{what}(n={_index(n)}): n must be >= 0")
+        self._lock()
+        self.num_failed_allocs += 1
+        pthread_mutex_unlock(&self.lock)
+        return 0
 
     def free_reserved(self):
         """Free every held block (pages that become empty go back)."""
@@ -777,7 +889,7 @@ cdef class BlockAllocator:
             pthread_mutex_unlock(&self.lock)
 
     cdef int _clear_locked(self) except -1:
-        cdef int32_t* ids = <int32_t*>malloc(max(1, self.total_blocks) * sizeof(int32_t))
+        cdef int32_t* ids = <int32_t*>malloc(max(1, self.num_allocated + self.num_held) * sizeof(int32_t))
         cdef int64_t n = 0, b
         cdef int p, ne = 0
         cdef int64_t bad[2]
@@ -996,3 +1108,28 @@ cdef class BlockAllocator:
 # driver calls, which hold the process's address-space lock (on the H200, every 4th alloc(16)
 # of the page-grouped ramp took 10-25 µs, its ids being 4096 apart, one fresh OS page per page
 # id). Sparse ids touch one OS page per page id below _ID_CACHE_MAX (at most 4 MiB).
+#
+# Note [Bookkeeping memory]
+# The allocator's host memory is its arrays: per block id one state byte (max_block_id of them,
+# written at construction), per usable block 4 bytes of free stack and 4 of held stack (allocated
+# up front but only touched as pages are adopted and blocks held), 8 bytes of id-object table per
+# id below _ID_CACHE_MAX (written at construction, Note [Block id objects]), and ~35 bytes per
+# page. The constructor's checks used numpy arrays of one int64 per block — ~32 bytes per block
+# at their peak — so KVCacheManager(10**9, ...) asked for ~32 GB and was killed by the OOM killer
+# without a word; they now look at each page's first and last id only (b * num // den never
+# decreases with b), O(pages). Before allocating, the constructor compares the arrays' total with
+# what the process can still allocate: the kernel's MemAvailable, the cgroup's memory.max less
+# its use, and the RLIMIT_AS / RLIMIT_DATA soft limits less the process's size, and refuses with
+# the figures (KVCachedConfigError) rather than die midway. The whole total is compared, touched
+# or not: what is reserved counts against the limits now and is touched as the cache fills.
+#
+# Note [Counts and ids past int32]
+# Counts arrive as Python ints of any size. alloc and try_to_reserve read them with
+# PyLong_AsLongLongAndOverflow (one call, no exception on the way) and compare with total_blocks
+# before sizing anything by them: a count above it, up to 2**64 and past, can never be served, so
+# it is the contract's "more than is available" — None / False at once, counted as a failed
+# alloc, nothing else changed — where a C int argument raised a bare OverflowError and a count
+# just below 2**31 had a buffer of 4 bytes per id malloc'ed first. Negative counts of any size
+# raise ValueError naming n. free converts a list of exact ints in range in one C loop
+# (kvc_ids_from_list, borrowed items, no reference counting), leaving numpy ints and ids out of
+# range, of any size, to _block_id, which raises BlockStateError naming the id.

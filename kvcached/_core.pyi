@@ -67,7 +67,8 @@ class BlockAllocator:
         id_to_page_den: int,
         max_block_id: int,
     ) -> None:
-        """Block b lies in page (b * num) // den; raises KVCachedConfigError for inconsistent intervals."""
+        """Block b lies in page (b * num) // den; raises KVCachedConfigError for inconsistent intervals
+        or arrays (~9 bytes per block id) that would not fit in the host memory left."""
     @classmethod
     def dense(
         cls, pages: PageAllocator, block_bytes: int, page_bytes: int | None = None, max_block_id: int | None = None
@@ -110,7 +111,8 @@ class BlockAllocator:
         """Free every block and close the page allocator; then every method raises KVCachedClosedError.
         Idempotent; no-op in a forked child."""
     def alloc(self, n: SupportsIndex) -> list[int] | None:
-        """Exactly `n` distinct block ids, or None (state unchanged) when out of memory / limit."""
+        """Exactly `n` distinct block ids, or None (state unchanged) when out of memory / limit or n is
+        above total_blocks (of any size); ValueError for n < 0."""
     def alloc_into(self, buf: _Int32Buffer) -> bool:
         """Fill a contiguous int32 buffer with len(buf) ids; False (nothing changed) when out of memory."""
     def free(self, ids: Iterable[SupportsIndex]) -> None:
@@ -121,7 +123,8 @@ class BlockAllocator:
         """Blocks alloc() could hand out now (held + free in owned pages + deliverable pages, at most
         max_new_pages of them newly mapped; -1 no cap); O(log pages)."""
     def try_to_reserve(self, n: SupportsIndex) -> bool:
-        """Hold `n` more blocks for the next allocs; False (nothing changed) when out of memory."""
+        """Hold `n` more blocks for the next allocs; False (nothing changed) when out of memory or n is
+        above total_blocks; ValueError for n < 0."""
     def free_reserved(self) -> None:
         """Free every held block (pages that become empty go back)."""
     def clear(self) -> None:

@@ -1,8 +1,12 @@
 """BlockAllocator on the host backend: placement policy, the available contract, bad input,
 zero-copy variants, try_to_reserve, clear, and data integrity through real memory."""
 
+import re
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcached._core import BlockAllocator, PageAllocator
 from kvcached.errors import BlockStateError, KVCachedConfigError
@@ -280,3 +284,132 @@ def test_bools_are_refused_and_numpy_ints_accepted(stack_factory):
     s.blocks.free([np.int32(b) for b in ids])
     assert s.blocks.stats()["allocated"] == 0
     s.blocks.check_invariants()
+
+
+# -- counts past int32 and ids past int64 (the contract: more than available is None) ---------
+
+def _huge_counts():
+    """Counts no allocator can hold (>= 2**31), as ints and, where they fit, numpy ints."""
+    ints = st.one_of(st.sampled_from([2**31, 2**31 + 1, 2**32, 2**63 - 1, 2**63, 2**64, 2**64 + 1, 2**200]),
+                     st.integers(min_value=2**31, max_value=2**80))
+
+    def wrap(n: int, kind: str):
+        if kind == "numpy" and n < 2**63:
+            return np.int64(n)
+        if kind == "numpy" and n < 2**64:
+            return np.uint64(n)
+        return n
+    return st.builds(wrap, ints, st.sampled_from(["int", "numpy"]))
+
+
+def test_huge_counts_return_none_and_change_nothing(stack_factory):
+    s = stack_factory(num_pages=8, capacity_granules=None, block_bytes=16 * KIB)
+    live = s.blocks.alloc(3)
+
+    @settings(max_examples=80, deadline=None)
+    @given(n=_huge_counts())
+    def check(n):
+        before, failed = state_of(s), s.blocks.stats()["num_failed_allocs"]
+        assert s.blocks.alloc(n) is None
+        assert s.blocks.try_to_reserve(n) is False
+        assert state_of(s) == before
+        assert s.blocks.stats()["num_failed_allocs"] == failed + 2
+        neg = -int(n)
+        for call, name in ((s.blocks.alloc, "alloc"), (s.blocks.try_to_reserve, "try_to_reserve")):
+            with pytest.raises(ValueError, match=rf"{name}\(n={neg}\): n must be >= 0"):
+                call(neg)
+        with pytest.raises(BlockStateError, match=rf"block id {int(n)} is not a block id"):
+            s.blocks.free([live[0], n])
+        assert state_of(s) == before
+        s.blocks.check_invariants()
+
+    check()
+    # just past what it holds: None as well, without a buffer sized by the request
+    assert s.blocks.alloc(s.blocks.total_blocks + 1) is None
+    assert s.blocks.alloc(2**31 - 1) is None and s.blocks.try_to_reserve(2**31 - 1) is False
+    s.blocks.free(live)
+    s.blocks.check_invariants()
+
+
+# -- host memory of the bookkeeping: built in O(pages) beyond its own arrays, refused when they do
+# not fit. A child process with its address space capped a few GiB above its size after import:
+# before the check, construction allocated ~32 bytes per block in numpy temporaries and died with
+# MemoryError there (or was killed by the OOM killer without a cap).
+
+_CAPPED_PRELUDE = """
+import json, resource, sys, time
+import numpy as np
+from kvcached._core import BlockAllocator, PageAllocator
+from kvcached._pagetable import PageTable
+from kvcached._vmm import HostBackend
+from kvcached.errors import KVCachedConfigError
+
+def vm_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * resource.getpagesize()
+
+def rss_peak_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def dense_allocator(num_pages, ids_per_page, max_block_id):
+    backend = HostBackend(64 << 10, None)
+    rng = backend.reserve(num_pages * (64 << 10))
+    table = PageTable(backend, [(rng, 0)], 64 << 10, num_pages, False)
+    pages = PageAllocator(table, None, min_reserved=0, max_reserved=0, idle_trim_s=0.0)
+    first = np.arange(num_pages, dtype=np.int64) * ids_per_page
+    count = np.clip(max_block_id - first, 0, ids_per_page)
+    return BlockAllocator(pages, first, count, 1, ids_per_page, max_block_id), pages
+
+resource.setrlimit(resource.RLIMIT_AS, (vm_bytes() + HEADROOM, resource.getrlimit(resource.RLIMIT_AS)[1]))
+rss0 = rss_peak_bytes()
+t0 = time.perf_counter()
+"""
+
+
+def run_capped(body: str, headroom_bytes: int) -> dict:
+    """Run `body` after _CAPPED_PRELUDE in a child; it prints one JSON object, returned here."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = _CAPPED_PRELUDE.replace("HEADROOM", str(headroom_bytes)) + body
+    env = {**os.environ, "KVCACHED_DEBUG_CHECKS": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_too_large_an_allocator_is_refused_before_allocating():
+    # 2**31 - 1 ids need ~19 GiB of bookkeeping; the child may map 3 GiB more
+    out = run_capped("""
+try:
+    dense_allocator(2048, 1 << 20, 2**31 - 1)
+    print(json.dumps({"error": None}))
+except Exception as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc), "s": time.perf_counter() - t0,
+                      "rss_growth": rss_peak_bytes() - rss0}))
+""", headroom_bytes=3 << 30)
+    assert out["error"] == "KVCachedConfigError", out
+    message = out["message"]
+    assert "2147483647 blocks" in message and "num_blocks" in message, message
+    assert re.search(r"need \d+ bytes \(.* GiB\) of host memory .* bytes are left under the RLIMIT_AS limit", message)
+    assert out["s"] < 10, out                               # refused up front, not after a long fill
+    assert out["rss_growth"] < 64 << 20, out                # nothing per block was allocated
+
+
+def test_large_allocator_builds_in_its_own_arrays_only():
+    # 2**28 ids: 256 MiB of block states and the id-object table in memory; the free stacks and
+    # the held stack (8 bytes per id) only reserved, touched as pages are used
+    out = run_capped("""
+blocks, pages = dense_allocator(2048, 1 << 17, 1 << 28)
+grown = rss_peak_bytes() - rss0
+ids = blocks.alloc((1 << 17) + 5)
+ok = ids is not None and len(set(ids)) == (1 << 17) + 5
+blocks.free(ids)
+huge = blocks.alloc(2**31 - 1)
+blocks.close()
+print(json.dumps({"ok": ok, "huge": huge, "rss_growth": grown, "total": blocks.stats()["total_blocks"]}))
+""", headroom_bytes=4 << 30)
+    assert out["ok"] and out["huge"] is None and out["total"] == 1 << 28, out
+    assert out["rss_growth"] < (1 << 28) * 5 // 4 + (96 << 20), out     # ~1 byte per id, not ~32
