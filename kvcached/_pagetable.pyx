@@ -193,9 +193,10 @@ cdef class PageTable:
         in a forked child. Takes `lock`."""
         cdef int pages_done = 0, segments_done = 0, stage = _STAGE_NONE, rc = -1
         cdef int cached_before
+        self._check_usable()        # before the lock, which the parent's thread may have held at fork
         pthread_mutex_lock(&self.lock)
         try:
-            self._check_usable()
+            self._check_usable()    # again under it: close() may have come between
             cached_before = self.backend.cache_count    # a hint: see _undo_map
             try:
                 rc = self._map_forward(page_ids, n, &pages_done, &segments_done, &stage)
@@ -407,6 +408,8 @@ cdef class PageTable:
         (on what a failed close left); raises KVCachedClosedError in a forked child. Takes `lock`."""
         cdef int i, s, bad, failed = 0
         cdef int32_t p
+        if self.live_token != _TOKEN_CLOSED:
+            self._check_usable()    # a forked child raises before the lock (its holder may be the parent's thread)
         pthread_mutex_lock(&self.lock)
         try:
             self.backend._check_live()
@@ -532,6 +535,7 @@ cdef class PageTable:
             for name in ("map_start", "map_finish", "unmap_start", "unmap_finish"):
                 if not callable(getattr(mirror, name, None)):
                     raise KVCachedConfigError(f"mirror {mirror!r} has no method {name}(); see PageTable.set_mirror")
+        self._check_usable()
         with nogil:
             pthread_mutex_lock(&self.lock)
         try:
