@@ -97,3 +97,29 @@ def state_of(s: Stack) -> dict:
         result.update({k: b[k] for k in ("allocated", "held", "owned_pages", "free_in_owned_pages")})
         result["available_blocks"] = s.blocks.available_blocks()
     return result
+
+
+# The manager's paths that take pages out of the reserved pool to unmap them (each must record
+# a fence first: Note [Deferred unmap]).
+POOL_EXITS = ("limit", "trim", "pool_bounds", "resize", "idle_trim")
+
+
+def take_out_of_the_pool(m, path: str) -> None:
+    """Make KVCacheManager `m` unmap its pool by `path`, one of POOL_EXITS; "idle_trim" waits
+    (30 s at most) for the background thread's next idle trim (KVCACHED_IDLE_TRIM_S set short)."""
+    import time
+
+    if path == "limit":
+        m.set_memory_limit(0, revision=1)
+    elif path == "trim":
+        m.trim()
+    elif path == "pool_bounds":
+        m._pages.set_pool_bounds(0, 0)
+    elif path == "resize":
+        assert m.resize(0)
+    else:
+        trims = m.stats()["pages"]["num_idle_trims"]
+        deadline = time.monotonic() + 30
+        while m.stats()["pages"]["num_idle_trims"] == trims:
+            assert time.monotonic() < deadline, "no idle trim within 30 s"
+            time.sleep(0.001)

@@ -25,6 +25,8 @@ torch = pytest.importorskip("torch")
 from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached  # noqa: E402
 from kvcached.errors import BlockStateError  # noqa: E402
 
+from _stacks import POOL_EXITS, take_out_of_the_pool  # noqa: E402
+
 LAYOUTS = ("per_layer", "interleaved", "page_grouped")
 SHAPE_KINDS = ("flash_attn", "flashinfer", "mla")
 NUM_LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM, MLA_DIM = 4, 1024, 16, 8, 128, 512
@@ -174,61 +176,16 @@ def test_integrity_churn(cuda, layout, shape_kind):
     m.check_invariants()
 
 
-@pytest.mark.parametrize("layout", ["per_layer", "interleaved"])
-def test_unmap_waits_for_the_stream(cuda, layout):
+@pytest.mark.parametrize("layout", ["per_layer", "interleaved", "page_grouped"])
+@pytest.mark.parametrize("path", ["free", *POOL_EXITS])
+def test_unmap_waits_for_the_stream(cuda, layout, path):
     """Free blocks while a kernel queued on the manager's stream still reads them: the page is
-    pending (not unmapped) until the stream has passed that point, and the read sees the data."""
-    m, kv, _ = cuda(layout, max_reserved=0)
-    side = torch.cuda.Stream()
-    m.set_stream(side.cuda_stream)
-    ids = m.alloc(int(m._group.layout.page_num_blocks[0]))     # exactly page 0
-    write(kv, "flash_attn", 0, 0, ids)
-    torch.cuda.synchronize()
-    out = torch.empty_like(kv[0][0, ids[0]])
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(2_000_000_000 // 1000 * 500)        # ~0.5 s of spinning on the side stream
-        out.copy_(kv[0][0, ids[0]])
-    m.free(ids)
-    st = m.stats()["pages"]
-    assert st["pending_unmap"] == 1 and st["in_use"] == 0, st
-    m._pages.drain(False)
-    assert m.stats()["pages"]["pending_unmap"] == 1, "unmapped while the stream still reads the page"
-    side.synchronize()
-    deadline = time.monotonic() + 5
-    while m.stats()["pages"]["pending_unmap"]:
-        m._pages.drain(False)
-        assert time.monotonic() < deadline
-    assert m.get_mapped_memory_size() == 0
-    want = (ids[0] * NUM_LAYERS) * 2 + 1
-    assert bool((out == want).all()), "the kernel read the page after it was unmapped"
-
-
-def _unmap_from_the_pool(m, path):
-    """Take the pooled page out of the pool by `path` (each a caller of the pool's unmap)."""
-    if path == "limit":
-        m.set_memory_limit(0, revision=1)
-    elif path == "trim":
-        m.trim()
-    elif path == "pool_bounds":
-        m._pages.set_pool_bounds(0, 0)
-    elif path == "resize":
-        assert m.resize(0)
-    else:                                                       # the background thread's idle trim
-        trims = m.stats()["pages"]["num_idle_trims"]
-        deadline = time.monotonic() + 30
-        while m.stats()["pages"]["num_idle_trims"] == trims:
-            assert time.monotonic() < deadline, "no idle trim within 30 s"
-            time.sleep(0.001)
-
-
-@pytest.mark.parametrize("layout", ["interleaved", "page_grouped"])
-@pytest.mark.parametrize("path", ["limit", "trim", "pool_bounds", "resize", "idle_trim"])
-def test_pool_unmap_waits_for_the_stream(cuda, layout, path):
-    """With the pool on, a freed page goes to the pool without a fence; every path that takes it
-    out of the pool to unmap it must still wait for the kernels queued before the free (before:
-    unmapped at once, and the side-stream kernel hit an illegal address)."""
+    pending (not unmapped) until the stream has passed that point, and the read sees the data.
+    `free`: the pool is off, the page leaves at once; the others: it goes to the pool with no
+    fence, then leaves by that path (before: unmapped at once, an illegal address)."""
+    pool = path != "free"
     env = {"IDLE_TRIM_S": 0.05} if path == "idle_trim" else {}
-    m, kv, _ = cuda(layout, min_reserved=0, max_reserved=4, **env)
+    m, kv, _ = cuda(layout, min_reserved=0, max_reserved=4 if pool else 0, **env)
     side = torch.cuda.Stream()
     m.set_stream(side.cuda_stream)
     ids = m.alloc(int(m._group.layout.page_num_blocks[0]))     # exactly page 0
@@ -239,10 +196,13 @@ def test_pool_unmap_waits_for_the_stream(cuda, layout, path):
         torch.cuda._sleep(2_000_000_000 // 1000 * 500)        # ~0.5 s of spinning on the side stream
         out.copy_(kv[0][0, ids[0]])
     m.free(ids)
-    assert m.stats()["pages"]["reserved"] == 1, m.stats()["pages"]
-    _unmap_from_the_pool(m, path)
+    if pool:
+        assert m.stats()["pages"]["reserved"] == 1, m.stats()["pages"]
+        take_out_of_the_pool(m, path)
     st = m.stats()["pages"]
-    assert st["pending_unmap"] == 1 and st["reserved"] == 0, f"{path} unmapped a pooled page under a running kernel: {st}"
+    assert st["pending_unmap"] == 1 and st["in_use"] == st["reserved"] == 0, st
+    m._pages.drain(False)
+    assert m.stats()["pages"]["pending_unmap"] == 1, f"{path}: unmapped while the stream still reads the page"
     side.synchronize()
     deadline = time.monotonic() + 5
     while m.stats()["pages"]["pending_unmap"]:

@@ -23,7 +23,7 @@ from kvcached import runtime as runtime_module
 from kvcached.errors import BlockStateError, KVCachedConfigError
 from kvcached.runtime import get_kv_cache_manager
 
-from _stacks import KV_PAGE_BYTES
+from _stacks import KV_PAGE_BYTES, POOL_EXITS, take_out_of_the_pool
 
 LAYOUTS = ("per_layer", "interleaved", "page_grouped")
 DTYPE = torch.float16
@@ -357,24 +357,7 @@ def test_trim_and_mapped_size(kv_env, layout):
     m.check_invariants()
 
 
-def _take_out_of_the_pool(m, path: str) -> None:
-    if path == "limit":
-        m.set_memory_limit(0, revision=1)
-    elif path == "trim":
-        m.trim()
-    elif path == "pool_bounds":
-        m._pages.set_pool_bounds(0, 0)
-    elif path == "resize":
-        assert m.resize(0)
-    else:                                           # the background thread's idle trim
-        trims = m.stats()["pages"]["num_idle_trims"]
-        deadline = time.monotonic() + 30
-        while m.stats()["pages"]["num_idle_trims"] == trims:
-            assert time.monotonic() < deadline, "no idle trim within 30 s"
-            time.sleep(0.001)
-
-
-@pytest.mark.parametrize("path", ["limit", "trim", "pool_bounds", "resize", "idle_trim"])
+@pytest.mark.parametrize("path", POOL_EXITS)
 def test_pages_leave_the_pool_behind_a_fence(kv_env, path):
     """A page freed into the pool got no fence; each path that unmaps pool pages records one
     (kernels queued before the free may still read it: Note [Deferred unmap]). The CUDA variant
@@ -385,7 +368,7 @@ def test_pages_leave_the_pool_behind_a_fence(kv_env, path):
     m.free(ids)
     before = m.stats()["pages"]
     assert before["reserved"] == 1 and before["mapped"] == 1, before
-    _take_out_of_the_pool(m, path)
+    take_out_of_the_pool(m, path)
     after = m.stats()["pages"]
     assert after["num_fences"] == before["num_fences"] + 1, f"{path}: pool pages unmapped with no fence"
     assert after["reserved"] == after["mapped"] == after["pending_unmap"] == 0, after
