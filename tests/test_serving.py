@@ -343,3 +343,199 @@ def test_gpu_bf16_elastic_matches_static(kv_env, family):
     finally:
         cache.close()
     assert elastic == static
+
+
+# -- failed steps, stalls, closed caches (Note [Failed steps], Note [Stalls]) -------------------
+
+class Injected(RuntimeError):
+    """The failure a test injects (a device error, say)."""
+
+
+FAIL_POINTS = ("alloc", "first_layer", "last_layer", "logits")
+
+
+def fail_once(model, backend, where: str, after: int, exc_type: type[BaseException]):
+    """Make the `after`-th call at `where` raise exc_type once (alloc: the backend's map, so the
+    cache's alloc raises DriverError); returns a function that removes the hook."""
+    if where == "alloc":
+        backend.inject_fault("map", after=after, times=1)
+        return lambda: backend.inject_fault("map", after=-1)
+    module = {"first_layer": model.model.layers[0], "last_layer": model.model.layers[-1],
+              "logits": model.lm_head}[where]
+    calls = [0]
+
+    def hook(*_):
+        calls[0] += 1
+        if calls[0] == after + 1:
+            raise exc_type(f"injected at {where}, call {calls[0]}")
+
+    handle = module.register_forward_hook(hook)
+    return handle.remove
+
+
+def serve_through_failures(loop: ServingLoop, requests, max_failures: int = 1000) -> tuple[dict[int, list[int]], int]:
+    """Add every request, then run_until_done again after each exception; ({index: tokens},
+    exceptions seen)."""
+    ids = {loop.add_request(prompt, max_new): index for index, (_, prompt, max_new) in enumerate(requests)}
+    failures = 0
+    while True:
+        try:
+            results = loop.run_until_done(stall_timeout_s=30)
+            break
+        except (Injected, KeyboardInterrupt, KVCachedError):
+            failures += 1
+            assert failures <= max_failures
+    return {ids[i]: tokens for i, tokens in results.items()}, failures
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 1 << 16), where=st.sampled_from(FAIL_POINTS), after=st.integers(0, 40),
+       family=st.sampled_from(FAMILIES), exc_type=st.sampled_from([Injected, KeyboardInterrupt]))
+def test_a_failed_step_is_redone_with_the_same_tokens(elastic, seed, where, after, family, exc_type):
+    """A step that raises anywhere (the cache's alloc, a layer, the logits after every layer wrote
+    its K/V) changes nothing: the loop goes on, chunked prefills included, with generate's
+    tokens. Before, the cached count moved first: a chunk was skipped or the loop wedged."""
+    from kvcached.runtime import runtime
+
+    requests = workload(seed, count=5, longest=30, max_new=12)
+    cache = elastic(family)
+    model = serving_model(family)
+    loop = ServingLoop(model, cache, max_batch_tokens=16)
+    remove = fail_once(model, runtime().backend, where, after, Injected if where == "alloc" else exc_type)
+    try:
+        results, _ = serve_through_failures(loop, requests)
+    finally:
+        remove()
+        shutdown_kvcached()
+    check_tokens(family, requests, results)
+
+
+def test_ctrl_c_at_random_moments_loses_nothing(elastic):
+    """Real SIGINTs at random moments while the loop serves (the handler raises KeyboardInterrupt
+    while the loop runs): every request still finishes with generate's tokens."""
+    import signal
+    import threading
+
+    requests = workload(seed=5, count=6, longest=30, max_new=16)
+    cache = elastic("qwen2")
+    loop = ServingLoop(serving_model("qwen2"), cache, max_batch_tokens=16)
+    armed = threading.Event()
+    stop = threading.Event()
+    sent = [0]
+
+    def handler(signum, frame):
+        if armed.is_set():
+            raise KeyboardInterrupt
+
+    def sender():
+        rng = random.Random(7)
+        while not stop.wait(rng.uniform(0.0, 0.01)):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            sent[0] += 1
+
+    previous = signal.signal(signal.SIGINT, handler)
+    thread = threading.Thread(target=sender, daemon=True)
+    ids = {loop.add_request(prompt, n): i for i, (_, prompt, n) in enumerate(requests)}
+    interrupts = 0
+    try:
+        thread.start()
+        while True:
+            try:
+                armed.set()
+                results = loop.run_until_done(stall_timeout_s=60)
+                armed.clear()
+                break
+            except KeyboardInterrupt:
+                armed.clear()
+                interrupts += 1
+    finally:
+        armed.clear()
+        stop.set()
+        thread.join()
+        signal.signal(signal.SIGINT, previous)
+    assert interrupts > 5, (interrupts, sent[0])
+    check_tokens("qwen2", requests, {ids[i]: tokens for i, tokens in results.items()})
+
+
+def test_finished_results_survive_a_stall(elastic):
+    """11 short requests finish, then (in the same run_until_done) the limit drops to 0 under a
+    long one, which preempts itself and stalls: the 11 stay on the loop (before: lost with the
+    exception) and come with the next run once the limit is lifted."""
+    from kvcached.serving import LoopStalledError
+
+    requests = [(0, prompt, max_new) for _, prompt, max_new in workload(seed=3, count=11, longest=10, max_new=8)]
+    requests.append((0, workload(seed=4, count=1, longest=30)[0][1], 200))   # outlives the others
+    cache = elastic("llama")
+    model = serving_model("llama")
+    loop = ServingLoop(model, cache)
+    ids = {loop.add_request(prompt, n): i for i, (_, prompt, n) in enumerate(requests)}
+
+    def drop_the_limit(*_):
+        if loop.stats.finished == 11 and cache.manager.memory_limit()["limit_bytes"] != 0:
+            cache.manager.set_memory_limit(0, revision=1)
+
+    handle = model.register_forward_pre_hook(drop_the_limit)
+    try:
+        with pytest.raises(LoopStalledError, match="11 finished request"):
+            loop.run_until_done(stall_timeout_s=0.3)
+    finally:
+        handle.remove()
+    cache.manager.set_memory_limit(-1, revision=2)
+    results = loop.run_until_done()
+    check_tokens("llama", requests, {ids[i]: tokens for i, tokens in results.items()})
+    assert loop.take_finished() == [] and loop.run_until_done() == {}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_request_the_limit_cannot_hold_stalls_instead_of_livelocking(elastic, layout):
+    """A prompt longer than max_batch_tokens under a limit that holds its first chunks but not the
+    whole prompt: before, it prefilled, preempted itself and was admitted again forever; now
+    run_until_done raises within the stall timeout."""
+    from kvcached.serving import LoopStalledError
+
+    cache = elastic("llama", layout=layout)
+    m = cache.manager
+    per_page = int(m._group.layout.page_num_blocks[0]) * BLOCK_SIZE     # tokens one page id holds
+    m.set_memory_limit(m.page_bytes, revision=1)
+    loop = ServingLoop(serving_model("llama"), cache, max_batch_tokens=per_page // 2)
+    loop.add_request([1] * (per_page + 5), 4)
+    with pytest.raises(LoopStalledError, match="below what one request needs"):
+        loop.run_until_done(stall_timeout_s=0.5)
+    assert loop.stats.preemptions > 0
+
+
+@pytest.mark.parametrize("how", ["close", "shutdown"])
+def test_a_step_over_a_closed_cache_raises(elastic, how):
+    """Before: the step wrote K/V into unmapped pages (SIGSEGV)."""
+    from kvcached.errors import KVCachedClosedError
+
+    cache = elastic("llama")
+    loop = ServingLoop(serving_model("llama"), cache)
+    loop.add_request([1, 2, 3], 8)
+    loop.step()
+    cache.close() if how == "close" else shutdown_kvcached()
+    with pytest.raises(KVCachedClosedError, match="closed"):
+        loop.step()
+    with pytest.raises(KVCachedClosedError):
+        loop.run_until_done()
+
+
+def test_static_cache_refuses_double_frees():
+    """Before: a double free was accepted and one block was handed out twice ([0, 1, 0, 1, 2])."""
+    from kvcached.errors import BlockStateError
+
+    cache = StaticKVCache(serving_model("llama").config, 8, block_size=BLOCK_SIZE)
+    ids = cache.alloc(2)
+    cache.free(ids)
+    for bad in (ids, [3], [ids[0], ids[0]], [8], [-1]):
+        with pytest.raises(BlockStateError, match="nothing was freed"):
+            cache.free(bad)
+        assert cache.available_blocks() == 8
+    got = cache.alloc(5)
+    assert len(set(got)) == 5
+    held = cache.alloc(3)
+    with pytest.raises(BlockStateError):
+        cache.free([held[0], got[0], held[0]])
+    assert cache.available_blocks() == 0
+    cache.free(got + held)
+    assert cache.available_blocks() == 8

@@ -7,8 +7,9 @@
   pool_name=)``: kvcached tensors + a KVCacheManager (``.manager`` takes limits);
   ``StaticKVCache(...)``: a torch slab and a free list, the baseline. Both are PagedKVCache.
 - ``ServingLoop(model, cache, max_batch_tokens=, max_running=)``: ``add_request(prompt_ids,
-  max_new_tokens) -> id``, ``step() -> finished Requests``, ``run_until_done() -> {id: tokens}``,
-  ``has_work()``, ``abort(id)``, ``stats`` (LoopStats: running, waiting, finished, preemptions,
+  max_new_tokens) -> id``, ``step() -> finished Requests``, ``run_until_done() -> {id: tokens}``
+  (``LoopStalledError`` when no request can progress), ``take_finished()``, ``has_work()``,
+  ``abort(id)``, ``stats`` (LoopStats: running, waiting, finished, preemptions,
   generated_tokens, tokens_per_s, ...).
 - Tensor parallelism: ``shard_model(model, rank, world_size, group=, reduce_dtype=)`` keeps one
   rank's heads and MLP columns; ``shard_config(model.config, model.kvcached_shard)`` is what that rank's KV cache
@@ -19,7 +20,7 @@
 
 from .attention import ATTENTION_NAME, STEP_KWARG, StepMetadata
 from .cache import ElasticKVCache, PagedKVCache, StaticKVCache, kv_geometry
-from .loop import LoopStats, Request, ServingLoop
+from .loop import LoopStalledError, LoopStats, Request, ServingLoop
 from .model import FAMILIES, PRESETS, build_model, model_config
 from .plan import StepPlan
 from .shard import Shard, shard_config, shard_model
@@ -31,6 +32,7 @@ __all__ = [
            "PRESETS",
            "STEP_KWARG",
            "ElasticKVCache",
+           "LoopStalledError",
            "LoopStats",
            "PagedKVCache",
            "Request",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvcached.checks import as_int
+from kvcached.errors import BlockStateError, KVCachedClosedError
 
 KV_LAYOUTS = ("NHD", "HND")
 
@@ -57,6 +58,18 @@ class PagedKVCache:
     def free(self, ids: list[int]) -> None:
         raise NotImplementedError
 
+    @property
+    def closed(self) -> bool:
+        """Whether the memory went back (close(), or shutdown_kvcached for kvcached's)."""
+        raise NotImplementedError
+
+    def check_open(self) -> None:
+        """Raise KVCachedClosedError if the tensors lost their memory: a step over them would
+        write into unmapped pages (SIGSEGV on the host, an illegal address on CUDA)."""
+        if self.closed:
+            raise KVCachedClosedError(f"this {type(self).__name__} was closed (close() or shutdown_kvcached()); "
+                                      f"make a new cache and a new ServingLoop over it")
+
     def mapped_bytes(self) -> int:
         """Device memory the cache holds now."""
         raise NotImplementedError
@@ -74,15 +87,30 @@ class StaticKVCache(PagedKVCache):
         shape = _layer_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim, kv_layout)
         self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(self.num_layers)]
         self._free = list(range(self.num_blocks - 1, -1, -1))     # pop() hands out low ids first
+        self._held = bytearray(self.num_blocks)                   # 1 for each id handed out
+        self._closed = False
 
     def alloc(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None
         ids = self._free[len(self._free) - n:]
         del self._free[len(self._free) - n:]
+        for block_id in ids:
+            self._held[block_id] = 1
         return ids[::-1]
 
     def free(self, ids: list[int]) -> None:
+        """Give blocks back. Raises BlockStateError, freeing none of them, for an id that is not
+        handed out (a double free, a repeat within `ids`, an unknown id)."""
+        seen = set()
+        for block_id in ids:
+            if not (isinstance(block_id, int) and 0 <= block_id < self.num_blocks and self._held[block_id]) \
+                    or block_id in seen:
+                raise BlockStateError(f"block id {block_id!r} is not allocated (a double free, a repeat in ids, or "
+                                      f"not an id in [0, {self.num_blocks})); nothing was freed.")
+            seen.add(block_id)
+        for block_id in ids:
+            self._held[block_id] = 0
         self._free.extend(reversed(ids))
 
     def available_blocks(self) -> int:
@@ -91,9 +119,14 @@ class StaticKVCache(PagedKVCache):
     def mapped_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv)
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         self.kv = []
         self._free = []
+        self._closed = True
 
 
 class ElasticKVCache(PagedKVCache):
@@ -143,6 +176,10 @@ class ElasticKVCache(PagedKVCache):
     def mapped_bytes(self) -> int:
         """Memory the cache holds now; under tensor parallelism, rank 0 counts every rank's."""
         return int(self._scheduler().get_mapped_memory_size())
+
+    @property
+    def closed(self) -> bool:
+        return self.manager is not None and self.manager.closed
 
     def close(self) -> None:
         if self.manager is not None:

@@ -9,6 +9,8 @@ Note [Preemption].
 from __future__ import annotations
 
 import collections
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +34,7 @@ class Request:
     max_new_tokens: int
     blocks: list[int] = field(default_factory=list)
     num_cached: int = 0             # tokens whose K/V are in the cache
+    most_cached: int = 0            # the most tokens it ever had cached (progress: Note [Stalls])
     preemptions: int = 0
 
     @property
@@ -58,12 +61,54 @@ class LoopStats:
     tokens_per_s: float = 0.0       # generated tokens per second over the last RATE_WINDOW steps
 
 
+class LoopStalledError(RuntimeError):
+    """No request made progress for ``stall_timeout_s``: the memory limit or the budget is below
+    what one request needs, or the memory is held elsewhere. The requests stay queued, and the
+    ones that finished stay on the loop (``take_finished()``, or the next run_until_done)."""
+
+
+class _HeldInterrupt:
+    """Holds SIGINT off while the loop moves requests between its queues, then delivers it to
+    the handler that was there: a Ctrl-C lands in the model call, where an exception changes
+    nothing, or between steps. Only on the main thread (the only one signals reach), and only
+    under a handler set from Python. See Note [Failed steps]."""
+
+    def __enter__(self) -> None:
+        self.previous = self.caught = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if previous is not None:
+                self.previous = previous
+                signal.signal(signal.SIGINT, self._hold)
+
+    def _hold(self, signum, frame) -> None:
+        self.caught = (signum, frame)
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is None:
+            return
+        signal.signal(signal.SIGINT, self.previous)
+        if self.caught is None:
+            return
+        if callable(self.previous):
+            self.previous(*self.caught)
+        elif self.previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
+
+
 class ServingLoop:
     """Greedy continuous batching of a transformers causal LM over a PagedKVCache.
 
     The model must be built with ``attn_implementation=kvcached.serving.ATTENTION_NAME``
     (``build_model`` does). max_batch_tokens caps the tokens of one step (prompts are prefilled in
     chunks within it); max_running caps the requests in flight.
+
+    A step that raises (the model call: device out of memory, a kernel error, Ctrl-C; or the
+    cache's alloc) changes no request's tokens or cached count: call step() or run_until_done()
+    again and it redoes that work, the tokens as in an undisturbed run (Note [Failed steps]).
+    Finished requests stay on the loop until step(), run_until_done() or take_finished() hands
+    them out. Close the cache only when no step runs: a step over a closed cache raises
+    KVCachedClosedError.
     """
 
     def __init__(self, model, cache, *, max_batch_tokens: int = 2048, max_running: int = 256):
@@ -84,6 +129,8 @@ class ServingLoop:
         self.stats = LoopStats()
         self._next_id = 0
         self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_WINDOW)
+        self._finished: list[Request] = []      # finished, not handed out yet
+        self._progress = 0                      # steps in which some request got further than ever
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], max_new_tokens: int) -> int:
@@ -122,45 +169,53 @@ class ServingLoop:
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, run the model once over the packed batch, append one greedy token to every
-        request whose prompt is complete; returns the requests that finished (blocks freed)."""
-        start = time.perf_counter()
-        batch = self._schedule()
-        finished: list[Request] = []
-        generated = 0
-        if batch:
-            sampled = self._run(batch)
-            for request, token in sampled:
-                request.tokens.append(token)
-                generated += 1
-                if request.done:
-                    finished.append(request)
-            for request in finished:
-                self.running.remove(request)
-                self._release(request)
-        elapsed = time.perf_counter() - start
-        self._account(batch, generated, len(finished), elapsed)
+        request whose prompt is complete; returns the requests that finished (blocks freed),
+        with any an interrupted step left. Raises KVCachedClosedError over a closed cache; any
+        other exception leaves every request as it was (See Note [Failed steps])."""
+        self._step()
+        return self.take_finished()
+
+    def take_finished(self) -> list[Request]:
+        """The finished requests not handed out yet (by step or run_until_done), oldest first."""
+        finished, self._finished = self._finished, []
         return finished
 
-    def run_until_done(self, *, stall_timeout_s: float = 60.0) -> dict[int, list[int]]:
-        """Step until no request is left; returns {request id: generated tokens}.
+    def _step(self) -> None:
+        self.cache.check_open()
+        start = time.perf_counter()
+        with _HeldInterrupt():
+            batch = self._schedule()
+        sampled = self._run(batch) if batch else []     # raises: nothing was committed
+        with _HeldInterrupt():
+            generated = self._commit(batch, sampled)
+            self._account(batch, generated, time.perf_counter() - start)
 
-        Raises RuntimeError when no step could run for stall_timeout_s (memory held elsewhere,
-        or a limit below what one request needs)."""
-        results: dict[int, list[int]] = {}
+    def run_until_done(self, *, stall_timeout_s: float = 60.0) -> dict[int, list[int]]:
+        """Step until no request is left; returns {request id: generated tokens} of every request
+        that finished since the loop last handed any out.
+
+        Raises LoopStalledError (a RuntimeError) when no request got further than it ever had for
+        stall_timeout_s (a limit or budget below what one request needs, memory held elsewhere);
+        the finished requests stay on the loop then, as after any other exception."""
         stalled_since = None
+        progress = self._progress
         while self.has_work():
-            for request in self.step():
-                results[request.id] = request.generated
-            if self.stats.step_tokens:
-                stalled_since = None
+            self._step()
+            if self._progress != progress:
+                progress, stalled_since = self._progress, None
                 continue
             now = time.monotonic()
             stalled_since = stalled_since or now
             if now - stalled_since > stall_timeout_s:
-                raise RuntimeError(f"no memory for any request for {stall_timeout_s} s "
-                                   f"({len(self.waiting)} waiting): raise the memory limit or the budget")
-            time.sleep(0.001)
-        return results
+                raise LoopStalledError(
+                    f"no memory for any request to make progress for {stall_timeout_s} s ({len(self.waiting)} "
+                    f"waiting, {len(self.running)} running, {self.stats.preemptions} preemptions): the memory limit "
+                    f"or the budget is below what one request needs, or the memory is held elsewhere; raise the "
+                    f"limit or the budget. {len(self._finished)} finished request(s) stay on the loop: "
+                    f"take_finished() or the next run_until_done() returns them")
+            if not self.stats.step_tokens:
+                time.sleep(0.001)
+        return {request.id: request.generated for request in self.take_finished()}
 
     # -- scheduling -----------------------------------------------------------------------------
     def _schedule(self) -> list[tuple[Request, int]]:
@@ -238,7 +293,6 @@ class ServingLoop:
             seq_lens.append(end)
             starts.append(starts[-1] + n)
             tables.append(blocks + [0] * (width - len(blocks)))
-            request.num_cached = end
             if end == len(request.tokens):
                 keep.append(starts[-1] - 1)
                 sampling.append(request)
@@ -246,18 +300,38 @@ class ServingLoop:
         tokens = self._forward(plan).argmax(-1).tolist()
         return list(zip(sampling, tokens))
 
+    def _commit(self, batch: list[tuple[Request, int]], sampled: list[tuple[Request, int]]) -> int:
+        """After a model call that returned: the batch's K/V count as cached, the sampled tokens
+        are appended and the requests they complete leave with their blocks freed. Returns the
+        tokens generated."""
+        further = False
+        for request, n in batch:
+            request.num_cached += n
+            if request.num_cached > request.most_cached:
+                request.most_cached = request.num_cached
+                further = True
+        for request, token in sampled:
+            request.tokens.append(token)
+            if request.done:
+                self.running.remove(request)
+                self._release(request)
+                self._finished.append(request)
+        if further or sampled:
+            self._progress += 1
+        return len(sampled)
+
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """The logits of the step's sampled positions (a tensor-parallel leader sends the plan
         to its workers first)."""
         return plan.forward(self.model, self.cache)
 
-    def _account(self, batch, generated: int, finished: int, elapsed: float) -> None:
+    def _account(self, batch, generated: int, elapsed: float) -> None:
         s = self.stats
         s.steps += 1
         s.step_tokens = sum(n for _, n in batch)
         s.last_step_s = elapsed
         s.generated_tokens += generated
-        s.finished += finished
+        s.finished += sum(1 for request, _ in batch if request.done)
         s.running, s.waiting = len(self.running), len(self.waiting)
         self._rate.append((elapsed, generated))
         seconds = sum(t for t, _ in self._rate)
@@ -279,3 +353,22 @@ class ServingLoop:
 # is admitted again its prompt and those tokens are recomputed in one prefill, so the tokens that
 # follow are the ones it would have produced without the interruption; no request is dropped. If
 # the request that needs a block is itself the newest, it is the one preempted.
+#
+# Note [Failed steps]
+# A step is schedule -> model call -> commit. Only the commit changes what a request has done
+# (its cached count, its tokens, its leaving), and only after the model call returned; the
+# schedule only hands blocks out, preempts and admits, all of which a later step redoes or keeps.
+# So any exception from the model call (device out of memory, a kernel error, Ctrl-C) leaves
+# every request as it was, and the next step runs the same work again: the K/V it had written
+# lie past each request's cached count and are written again. Before, the cached count moved
+# before the call: a failed chunk of a prefill was skipped (its tokens silently different) and a
+# decoding request made every later step raise. Ctrl-C can land between any two bytecodes, so
+# schedule and commit hold SIGINT off (_HeldInterrupt) and deliver it once the queues agree.
+#
+# Note [Stalls]
+# Progress is a request getting further than it ever had (most_cached) or a token generated,
+# not a step that ran: a request whose prompt is longer than max_batch_tokens under a limit
+# that fits one chunk but not two prefilled its first chunk, preempted itself, was admitted again
+# and prefilled the same chunk, forever (600-2700 preemptions per 30 s), while the old check saw
+# a step run every other step and never fired. The newest request is the one preempted, so the
+# oldest always gets further unless even it alone does not fit: then run_until_done raises.
