@@ -129,6 +129,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KVCACHED_TP_TIMEOUT_S", _float_in(0.1, 86400.0), 60.0,
             "Seconds the scheduling rank waits for a tensor-parallel peer to answer a page operation "
             "before the call raises KVCachedTPError (the peer died or hangs)."),
+    Setting("KVCACHED_VLLM", _bool, False,
+            "Let vLLM's plugin loader enable kvcached (kvcached.integration.vllm.register); off, "
+            "installing kvcached changes nothing in vLLM."),
 )
 
 
@@ -191,6 +194,7 @@ class Settings:
     log_level: str
     debug_checks: bool
     tp_timeout_s: float
+    vllm: bool
 
 
 def _read(environ: dict[str, str]) -> Settings:

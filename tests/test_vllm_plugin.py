@@ -32,6 +32,8 @@ import torch
 import vllm.v1.core.block_pool as vllm_block_pool
 import vllm.v1.core.kv_cache_coordinator as vllm_coordinator
 from _procs import unique_name
+from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+from vllm.platforms import current_platform
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
@@ -201,13 +203,12 @@ def test_enable_refuses_another_vllm_release_and_changes_nothing(tmp_path):
         import sys; sys.path.insert(0, {str(tmp_path)!r})
         from kvcached.errors import KVCachedConfigError, KVCachedError
         import kvcached.integration.vllm as kv
-        for switch in (kv.enable, kv.register):
-            try:
-                switch()
-            except KVCachedConfigError as exc:
-                print("refused:", exc)
-            else:
-                raise SystemExit("enabled on vllm 0.32.0")
+        try:
+            kv.enable()
+        except KVCachedConfigError as exc:
+            print("refused:", exc)
+        else:
+            raise SystemExit("enabled on vllm 0.32.0")
         import vllm.v1.core.block_pool as bp, vllm.v1.core.kv_cache_coordinator as kc
         assert kc.BlockPool is bp.BlockPool and not kv.is_enabled()
         try:
@@ -216,35 +217,8 @@ def test_enable_refuses_another_vllm_release_and_changes_nothing(tmp_path):
             print("pool refused")
     """)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("refused: vllm 0.32.0 is installed") == 2, result.stdout
+    assert result.stdout.count("refused: vllm 0.32.0 is installed") == 1, result.stdout
     assert SUPPORTED_VLLM in result.stdout and "pool refused" in result.stdout
-
-
-def test_vllms_plugin_loader_enables_kvcached_through_the_entry_point(tmp_path):
-    """vLLM's own load_general_plugins() finds the entry point (declared by a distribution record
-    as pip writes it) and calls register(): afterwards the coordinator builds our pool."""
-    import importlib
-
-    try:
-        importlib.import_module("vllm.v1.worker.gpu_model_runner")
-    except ImportError as exc:
-        pytest.skip(f"vLLM's GPU worker modules do not import here: {exc}")
-    dist = tmp_path / "kvcached_plugin_probe-0.1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kvcached-plugin-probe\nVersion: 0.1.0\n")
-    (dist / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{ENTRY_POINT}\n")
-    result = _run_python(f"""
-        import sys; sys.path.insert(0, {str(tmp_path)!r})
-        import vllm.v1.core.kv_cache_coordinator as kc
-        from vllm.plugins import load_general_plugins
-        assert kc.BlockPool.__name__ == "BlockPool"
-        load_general_plugins()
-        from kvcached.integration.vllm import ElasticBlockPool, allocate_kv_cache
-        import vllm.v1.worker.gpu_model_runner as runner
-        assert kc.BlockPool is ElasticBlockPool and runner.allocate_kv_cache is allocate_kv_cache
-        print("enabled by vLLM")
-    """, {"VLLM_PLUGINS": "kvcached"})
-    assert result.returncode == 0 and "enabled by vLLM" in result.stdout, result.stderr
 
 
 def test_entry_point_is_declared_when_kvcached_is_installed():
@@ -772,3 +746,50 @@ def test_kv_tensors_refuse_what_kvcached_cannot_back(kv):
     with pytest.raises(KVCachedConfigError, match="not a KVCacheLayout"):
         allocate_kv_cache(_config(8, {"full": ["f0"]}, False), "cpu", "XYZ")
     assert pool_geometry() is None                  # nothing was allocated, no geometry set
+
+
+# -- one process: the worker beside the scheduler (See Note [One process] in kv_tensors) ---------
+
+def _engine_config(backend: str) -> VllmConfig:
+    """The config of an engine whose executor is ``backend``, as vLLM's platform settles it; vLLM's
+    worker wrapper initialises the KV cache with it current (set_current_vllm_config)."""
+    return VllmConfig(parallel_config=ParallelConfig(distributed_executor_backend=backend))
+
+
+@pytest.mark.parametrize("backend, multiprocessing", [("mp", "0"), ("mp", None), ("uni", None)])
+def test_a_worker_outside_the_schedulers_process_is_refused(kv, monkeypatch, backend, multiprocessing):
+    """With the multiprocessing executor the worker is a process of its own, whose tensors the
+    scheduler's pool (in the engine core's process) would never map: refused before anything is
+    allocated, naming the settings that put the worker in the scheduler's process. On vLLM's CPU
+    platform "uni" becomes "mp" unless VLLM_ENABLE_V1_MULTIPROCESSING=0."""
+    if multiprocessing is None:
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", multiprocessing)
+    vllm_config = _engine_config(backend)
+    if vllm_config.parallel_config.distributed_executor_backend != "mp":
+        pytest.skip(f"{type(current_platform).__name__} runs distributed_executor_backend={backend!r} in process")
+    with set_current_vllm_config(vllm_config), pytest.raises(KVCachedConfigError) as info:
+        allocate_kv_cache(_config(8, {"full": ["f0"]}, False), "cpu")
+    message = str(info.value)
+    assert "MultiprocExecutor" in message and "distributed_executor_backend='mp'" in message, message
+    assert "distributed_executor_backend='uni'" in message and "VLLM_ENABLE_V1_MULTIPROCESSING=0" in message
+    assert pool_geometry() is None                  # nothing was allocated, no geometry set
+
+
+def test_a_worker_in_the_schedulers_process_backs_the_pools_blocks(kv, monkeypatch):
+    """The uniproc executor (VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps it on vLLM's CPU platform):
+    the tensors are made, and the pool built next in this process hands out rows of them."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    vllm_config = _engine_config("uni")
+    assert vllm_config.parallel_config.distributed_executor_backend == "uni"
+    with set_current_vllm_config(vllm_config):
+        tensors = allocate_kv_cache(_config(8, {"full": ["f0"]}, False), "cpu")
+    assert pool_geometry() is not None and pool_geometry().num_blocks == 8
+    pool = ElasticBlockPool(8, enable_caching=False, hash_block_size=4)
+    try:
+        block_ids = [block.block_id for block in pool.get_new_blocks(7)]
+        tensors["f0"][block_ids] = 1.5             # mapped by the pool's manager: the write lands
+        assert bool((tensors["f0"][block_ids] == 1.5).all())
+    finally:
+        pool.close()

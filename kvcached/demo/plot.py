@@ -62,5 +62,5 @@ def write_png(record: dict, path: str) -> None:
     rate.grid(axis="y", alpha=0.3)
     rate.legend(loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=9, frameon=False)
     rate.set_xlim(0, record["phases"][-1]["end_s"])
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")       # whatever the path ends in
     plt.close(fig)

@@ -51,7 +51,7 @@ class DemoError(Exception):
 @dataclass
 class Options:
     device: str                     # "cpu" or "cuda:N"
-    out_png: str
+    out_png: str                    # where the PNG goes: kvcached.demo.__main__.png_path, ends in .png
     phase_s: float
     hold: bool
     seed: int = 0
@@ -116,30 +116,64 @@ class _Instance:
             pass                                # gone already: the instance shut down cleanly
 
 
+class TokenRates:
+    """Tokens/s per instance over the last ``window_s`` seconds of one monotonic clock.
+
+    The clock is the caller's and must never go back: the phase clock restarts with every run of
+    the phases (--hold), so it cannot be this one. See Note [Rates over one clock].
+    """
+
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s={window_s!r} must be a positive number of seconds")
+        self.window_s = window_s
+        self._samples: deque[tuple[float, tuple[int, ...]]] = deque()     # (now_s, tokens so far per instance)
+
+    def add(self, now_s: float, tokens: list[int]) -> list[float]:
+        """Record the token counts at ``now_s`` and return each one's rate since the newest sample
+        at least window_s older (the oldest one early on; 0.0 for the first sample). O(1)
+        amortised.
+
+        Raises ValueError, recording nothing, if now_s is before the last sample's time or the
+        number of counts changed."""
+        if self._samples:
+            last_s, last_tokens = self._samples[-1]
+            if now_s < last_s:
+                raise ValueError(f"now_s={now_s!r} is before the last sample's {last_s!r}: the rates need one "
+                                 f"clock that never goes back (time.monotonic())")
+            if len(tokens) != len(last_tokens):
+                raise ValueError(f"{len(tokens)} token counts, but the earlier samples have {len(last_tokens)}")
+        samples = self._samples
+        samples.append((now_s, tuple(tokens)))
+        while len(samples) > 1 and samples[1][0] <= now_s - self.window_s:
+            samples.popleft()
+        first_s, first_tokens = samples[0]
+        if now_s <= first_s:
+            return [0.0] * len(tokens)
+        return [(count - first) / (now_s - first_s) for count, first in zip(tokens, first_tokens)]
+
+
 class _Recorder:
     """Samples per tick; tokens/s from the counters' change over RATE_WINDOW_S."""
 
     def __init__(self, instances: list[_Instance], budget_name: str) -> None:
         self.instances, self.budget_name = instances, budget_name
         self.samples: list[dict] = []
-        self._window: deque[tuple[float, list[int]]] = deque()     # (t_s, generated tokens per instance)
+        self._rates = TokenRates()
 
     def sample(self, t_s: float, keep: bool) -> dict:
-        """What every instance holds and does now; appended to ``samples`` if ``keep``."""
+        """What every instance holds and does now (``t_s``: the phase clock, for the record);
+        appended to ``samples`` if ``keep``."""
         held = read_budget(self.budget_name).held_bytes
-        tokens = [instance.counters["generated_tokens"] for instance in self.instances]
-        self._window.append((t_s, tokens))
-        while t_s - self._window[0][0] > RATE_WINDOW_S:
-            self._window.popleft()
-        first_s, first_tokens = self._window[0]
+        rates = self._rates.add(time.monotonic(),
+                                [instance.counters["generated_tokens"] for instance in self.instances])
         rows = []
-        for index, instance in enumerate(self.instances):
+        for instance, rate in zip(self.instances, rates):
             try:
                 snap = read_segment(instance.spec.ipc_name)
                 used, reserved = snap.used_bytes, snap.reserved_bytes
             except KVCachedError:
                 used = reserved = 0               # the segment is gone: the instance is shutting down
-            rate = (tokens[index] - first_tokens[index]) / (t_s - first_s) if t_s > first_s else 0.0
             rows.append({"mapped_bytes": used + reserved, "used_bytes": used, "reserved_bytes": reserved,
                          "clients": instance.clients, **instance.counters, "tokens_per_s": round(rate, 1)})
         record = {"t_s": round(t_s, 3), "held_bytes": held, "instances": rows}
@@ -310,3 +344,14 @@ def terminate_on_sigterm() -> None:
 # a pool of 2 to 4 pages trimmed after 0.3 s idle makes an idle instance give everything back
 # within the phase. The kvcached defaults (2 MiB pages, a pool of 5 to 10, trim after 30 s) suit
 # an engine, not a 20-second picture.
+#
+# Note [Rates over one clock]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# The rates used to come from a window keyed by the phase clock, which starts again at 0 when
+# --hold runs the phases again. The window still held the first run's last second, at times
+# ahead of the new ones: nothing aged out, the oldest sample lay in the "future", and the busy
+# instance showed 0 tok/s while its tokens climbed, until the new clock passed the old samples'
+# times and a rate over ten seconds of tokens divided by a fraction of a second came out (130943
+# tok/s). TokenRates takes time.monotonic(), one series for the whole process, and refuses a
+# time that goes back. It keeps the newest sample at least window_s old, so a tick that comes
+# late (a loaded machine) still has a rate over the real interval rather than none.

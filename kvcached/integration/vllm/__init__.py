@@ -2,7 +2,8 @@
 ``alloc_kv_cache`` for the worker, and the plugin switch.
 
 - ``enable(worker=True)`` / ``disable()`` / ``is_enabled()``; ``register`` is the
-  ``vllm.general_plugins`` entry point (vLLM calls it at start-up in every process).
+  ``vllm.general_plugins`` entry point (vLLM calls it at start-up in every process); it does
+  nothing unless KVCACHED_VLLM=1.
 - ``ElasticBlockPool``: vLLM's BlockPool over a KVCacheManager (``pool.manager`` takes limits;
   ``pool.release_free_pages()`` gives cached pages back).
 - ``allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)``: vLLM's worker

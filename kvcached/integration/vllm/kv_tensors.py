@@ -9,6 +9,9 @@ per kvcached block].
 from __future__ import annotations
 
 import torch
+from vllm.config import get_current_vllm_config_or_none
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -41,14 +44,16 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLay
 
     Raises KVCachedConfigError, with nothing allocated, for a spec other than full attention,
     sliding window or MLA, host-resident tensors, KV pages of different sizes, a layout that
-    splits a block, or a distributed world of more than one rank (pages are mapped by the
-    process that allocates blocks, the scheduler's: vLLM's uniproc executor).
+    splits a block, a distributed world of more than one rank, or a vLLM engine whose executor
+    runs the worker outside the scheduler's process (pages are mapped by the process that
+    allocates blocks, the scheduler's: vLLM's uniproc executor). See Note [One process].
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
         raise KVCachedConfigError(
             f"kvcached's vLLM integration runs with one worker in the scheduler's process, but the world size is "
             f"{torch.distributed.get_world_size()}: use tensor_parallel_size=1 and pipeline_parallel_size=1")
+    _check_worker_in_scheduler_process()
     group_id = as_int(group_id, "group_id", minimum=0)
     if not kv_cache_config.kv_cache_tensors:
         return {}
@@ -82,6 +87,23 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLay
     set_pool_geometry(PoolGeometry(block_size=1, cell_size=page_bytes, num_layers=len(slots), num_kv_buffers=1,
                                    group_id=group_id, num_blocks=num_blocks))
     return kv_caches
+
+
+def _check_worker_in_scheduler_process() -> None:
+    """Refuse, while vLLM initialises a worker (its current config is set), an executor that runs
+    the worker in a process of its own. See Note [One process]."""
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is None:         # called by code that builds its own pool in this process
+        return
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    executor = Executor.get_class(vllm_config)
+    if not issubclass(executor, UniProcExecutor):
+        raise KVCachedConfigError(
+            f"vLLM runs this worker with the {executor.__name__} (distributed_executor_backend={backend!r}), in a "
+            f"process other than the scheduler's, whose ElasticBlockPool would then map no page of these tensors: "
+            f"kvcached needs the worker in the scheduler's process: distributed_executor_backend='uni' "
+            f"(--distributed-executor-backend uni, vLLM's default for one GPU; on vLLM's CPU platform also "
+            f"VLLM_ENABLE_V1_MULTIPROCESSING=0, without which vLLM replaces 'uni' by 'mp')")
 
 
 def _resolve_layout(layout: KVCacheLayout | str | None) -> KVCacheLayout:
@@ -141,3 +163,21 @@ def _layer_spec(kv_cache_config: KVCacheConfig, tensor: KVCacheTensor, layer_nam
 # its buffer with kvcached's block stride, so padding, kernel-block splitting and the layout's
 # order inside a block are vLLM's. A layout that puts H, N or C outside B (LHBNC, BHLNC) spreads
 # one block over the whole buffer: no page could back a block, so it is refused.
+#
+# Note [One process]
+# kvcached maps a page in the process whose KVCacheManager allocates a block on it: vLLM's
+# scheduler, through its ElasticBlockPool. The pool hands out rows of the worker's tensors only
+# if both live in one process (set_pool_geometry is process-local); a worker elsewhere leaves the
+# scheduler with a standalone pool that maps nothing of the tensors, and the first KV write
+# faults. Which process runs the worker is decided by vLLM's executor: UniProcExecutor ("uni",
+# and "external_launcher", its subclass) builds the worker inside the engine core's process,
+# where the scheduler is, while MultiprocExecutor ("mp") and Ray start worker processes even for
+# one GPU (vLLM 0.33 v1/executor/, v1/engine/core.py). VLLM_ENABLE_V1_MULTIPROCESSING moves the
+# engine core, scheduler and executor together, out of the frontend's process, which splits
+# nothing; but vLLM's CPU platform turns "uni" into "mp" unless it is 0 (platforms/cpu.py), so
+# the message names both. The check is on the executor class, resolved as vLLM
+# resolves it (Executor.get_class), in the worker: its initialize_from_config runs under
+# set_current_vllm_config (v1/worker/worker_base.py), and the plugin loads in worker processes
+# too, so the refusal comes from the process that would make the unusable tensors, before it
+# makes them. The scheduler side cannot tell: vLLM builds its pool from num_gpu_blocks alone, no
+# config current, exactly as its scheduler tests and the benchmark build standalone pools.

@@ -3,6 +3,8 @@
 
 Nothing happens at import time. ``enable()`` rebinds two module-level names that vLLM looks up
 when it builds its KV cache, and ``disable()`` puts vLLM's own objects back. See Note [Hooks].
+The entry point ``register()`` does nothing unless KVCACHED_VLLM=1: See Note [An opt-in entry
+point].
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 import logging
 import threading
 
+from ...config import settings
 from ...errors import KVCachedConfigError
 from .version import check_vllm_version
 
@@ -25,9 +28,22 @@ _saved: dict[tuple[str, str], object] = {}      # (module, name) -> vLLM's own o
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: vLLM calls it in every process it starts, maybe
-    more than once. Equivalent to ``enable()``."""
-    enable()
+    """The ``vllm.general_plugins`` entry point, which vLLM calls in every process it starts (maybe
+    more than once) once kvcached is installed: nothing unless KVCACHED_VLLM=1, then ``enable()``;
+    where that cannot work (vLLM missing or of another release, its worker modules not importable)
+    one warning on the ``kvcached`` logger, and vLLM is left as it is. A bad KVCACHED_* value
+    is that one warning too (the settings' own error, naming the variable). Never raises. See
+    Note [An opt-in entry point]."""
+    try:
+        if not settings().vllm:
+            return
+    except KVCachedConfigError as exc:
+        logger.warning("kvcached's vLLM plugin leaves vLLM as it is: %s", exc)
+        return
+    try:
+        enable()
+    except (KVCachedConfigError, ImportError) as exc:      # ImportError: a vLLM whose own modules fail
+        logger.warning("KVCACHED_VLLM=1, but kvcached is not enabled in vLLM, which runs as it is: %s", exc)
 
 
 def enable(*, worker: bool = True) -> None:
@@ -86,5 +102,19 @@ def _import(module: str):
 # those names is the narrowest switch vLLM 0.33 offers (no configuration option selects a pool
 # class or a KV allocator): vllm.v1.core.block_pool.BlockPool itself stays vLLM's class, so
 # anything else that subclasses or builds it is untouched. The names are rebound only by
-# enable(), which vLLM calls through the plugin entry point or the user calls before building
+# enable(), which the plugin entry point calls (KVCACHED_VLLM=1) or the user calls before building
 # the engine; the version check comes first because the pool depends on that minor's internals.
+#
+# Note [An opt-in entry point]
+# vLLM calls every vllm.general_plugins entry point in every process it starts, so a plain
+# `pip install kvcached` beside vLLM would swap its BlockPool and KV allocation with no one
+# asking, and on another vLLM release (or without its GPU worker modules) make vLLM fail to
+# start. register() therefore reads KVCACHED_VLLM (kvcached.config) first and returns at once
+# unless it is set, importing nothing of vLLM. Set, it calls enable(); what enable() refuses
+# (KVCachedConfigError, nothing rebound), or a vLLM that fails to import its own scheduler
+# modules (ImportError), becomes one warning and vLLM runs with its own pool, as it would
+# without kvcached: the plugin must never be the reason vLLM does not start. So is a
+# bad KVCACHED_* value (the switch itself, or any other: the table is read whole), which
+# everywhere else raises KVCachedConfigError: the warning is that error's message, naming the
+# variable and its fix. enable() called by the user's own code raises all of these: there the
+# call is the request.

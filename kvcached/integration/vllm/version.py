@@ -14,6 +14,9 @@ from ...errors import KVCachedConfigError
 
 SUPPORTED_VLLM = ">=0.33.0,<0.34"
 SUPPORTED_MINOR = (0, 33)
+# The install line of the README's vLLM section: --no-deps keeps the user's own torch, which
+# vLLM's requirements would replace with the CUDA build they pin.
+INSTALL_COMMAND = "pip install --no-deps vllm==0.33.0"
 _RELEASE = re.compile(r"(\d+)\.(\d+)")
 
 
@@ -35,12 +38,12 @@ def check_vllm_version(version: str | None = None) -> str:
         version = installed_vllm_version()
     if version is None:
         raise KVCachedConfigError(
-            f"vLLM is not installed; kvcached's vLLM integration supports vllm{SUPPORTED_VLLM}: "
-            f"pip install 'vllm{SUPPORTED_VLLM}'")
+            f"vLLM is not installed; kvcached's vLLM integration supports vllm{SUPPORTED_VLLM}: install it "
+            f"with `{INSTALL_COMMAND}` next to your own torch (README: vLLM)")
     match = _RELEASE.match(version)
     if match is None or (int(match[1]), int(match[2])) != SUPPORTED_MINOR:
         raise KVCachedConfigError(
             f"vllm {version} is installed, but kvcached's vLLM integration supports vllm{SUPPORTED_VLLM} "
-            f"only (its BlockPool depends on that release's internals): install a supported vLLM, or "
-            f"run without the kvcached plugin (VLLM_PLUGINS names the plugins vLLM loads)")
+            f"only (its BlockPool depends on that release's internals): install it with `{INSTALL_COMMAND}` "
+            f"next to your own torch, or run vLLM without kvcached (unset KVCACHED_VLLM, do not call enable())")
     return version
