@@ -295,6 +295,35 @@ def test_tp_loop_of_one_rank_is_the_serving_loop(single_rank_group):
         loop.step()
 
 
+def test_tp_loop_refuses_steps_after_one_failed_once_sent(single_rank_group):
+    """A step that raised inside the model after its broadcast: the workers would be waiting
+    inside it, so a redo (as ServingLoop does) would start collectives they do not expect.
+    Every later step raises instead, naming the failure, with the requests as they were."""
+    model = shard_model(build_model(), 0, 1)
+    cache = StaticKVCache(shard_config(model.config, model.kvcached_shard), NUM_BLOCKS, block_size=BLOCK_SIZE)
+    loop = TensorParallelLoop(model, cache, max_batch_tokens=MAX_BATCH_TOKENS)
+    for _, prompt, max_new in tp_workload(seed=3):
+        loop.add_request(prompt, max_new)
+    loop.step()
+
+    def fail(*_):
+        raise LeaderFailure("injected after layer 1")
+
+    handle = model.model.layers[1].register_forward_hook(fail)
+    try:
+        with pytest.raises(LeaderFailure):
+            loop.step()
+    finally:
+        handle.remove()
+    state = [(request.id, list(request.tokens), request.num_cached) for request in loop.running]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="LeaderFailure.*unusable"):
+            loop.step()
+    assert [(request.id, list(request.tokens), request.num_cached) for request in loop.running] == state
+    assert loop.steps_sent == 2
+    loop.close()
+
+
 def test_row_parallel_linear_sums_in_its_reduce_dtype(single_rank_group):
     """bfloat16 in, float32 partial sums: one rounding after the sum (bias included), which
     differs from rounding the partial output first."""

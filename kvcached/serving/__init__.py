@@ -9,8 +9,8 @@
 - ``ServingLoop(model, cache, max_batch_tokens=, max_running=)``: ``add_request(prompt_ids,
   max_new_tokens) -> id``, ``step() -> finished Requests``, ``run_until_done() -> {id: tokens}``
   (``LoopStalledError`` when no request can progress), ``take_finished()``, ``has_work()``,
-  ``abort(id)``, ``stats`` (LoopStats: running, waiting, finished, preemptions,
-  generated_tokens, tokens_per_s, ...).
+  ``abort(id)``, ``check_invariants()``, ``stats`` (LoopStats: running, waiting, finished,
+  preemptions, generated_tokens, tokens_per_s, ...).
 - Tensor parallelism: ``shard_model(model, rank, world_size, group=, reduce_dtype=)`` keeps one
   rank's heads and MLP columns; ``shard_config(model.config, model.kvcached_shard)`` is what that rank's KV cache
   is built from; ``TensorParallelLoop(model, cache, group=)`` (a ServingLoop) runs on rank 0 and

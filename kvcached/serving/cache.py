@@ -9,6 +9,8 @@ blocks are handed out; limits and a global budget make alloc return None); Stati
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from kvcached.checks import as_int
@@ -70,6 +72,9 @@ class PagedKVCache:
             raise KVCachedClosedError(f"this {type(self).__name__} was closed (close() or shutdown_kvcached()); "
                                       f"make a new cache and a new ServingLoop over it")
 
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the block bookkeeping is inconsistent (tests)."""
+
     def mapped_bytes(self) -> int:
         """Device memory the cache holds now."""
         raise NotImplementedError
@@ -91,6 +96,15 @@ class StaticKVCache(PagedKVCache):
         self._closed = False
 
     def alloc(self, n: int) -> list[int] | None:
+        """n distinct free block ids, lowest first, or None (nothing changed) when fewer are free.
+        Raises TypeError / ValueError for a count that is not an int >= 0, KVCachedClosedError
+        after close(). O(n)."""
+        self.check_open()
+        if isinstance(n, bool):
+            raise TypeError(f"alloc(n={n!r}): n must be an integer count, not a bool")
+        n = operator.index(n)
+        if n < 0:
+            raise ValueError(f"alloc(n={n}): n must be >= 0")
         if n > len(self._free):
             return None
         ids = self._free[len(self._free) - n:]
@@ -100,21 +114,43 @@ class StaticKVCache(PagedKVCache):
         return ids[::-1]
 
     def free(self, ids: list[int]) -> None:
-        """Give blocks back. Raises BlockStateError, freeing none of them, for an id that is not
-        handed out (a double free, a repeat within `ids`, an unknown id)."""
+        """Give blocks back. Raises BlockStateError for an id out of range, not handed out (a
+        double free) or repeated within `ids`, TypeError for a bool or a non-integer, both with
+        nothing freed (as kvcached's allocator); KVCachedClosedError after close(). O(len(ids))."""
+        self.check_open()
+        checked = []
+        for item in ids:
+            if isinstance(item, bool):
+                raise TypeError(f"block id {item!r} is a bool, not a block id; nothing was freed.")
+            block_id = operator.index(item)
+            if not 0 <= block_id < self.num_blocks:
+                raise BlockStateError(f"block id {block_id} is not a block id of this allocator (valid: "
+                                      f"[0, {self.num_blocks})); nothing was freed.")
+            checked.append(block_id)
         seen = set()
-        for block_id in ids:
-            if not (isinstance(block_id, int) and 0 <= block_id < self.num_blocks and self._held[block_id]) \
-                    or block_id in seen:
-                raise BlockStateError(f"block id {block_id!r} is not allocated (a double free, a repeat in ids, or "
-                                      f"not an id in [0, {self.num_blocks})); nothing was freed.")
+        for block_id in checked:
+            if not self._held[block_id]:
+                raise BlockStateError(f"block id {block_id} is not allocated (never allocated, or already freed); "
+                                      f"nothing was freed.")
+            if block_id in seen:
+                raise BlockStateError(f"block id {block_id} appears more than once in this call; nothing was freed.")
             seen.add(block_id)
-        for block_id in ids:
+        for block_id in checked:
             self._held[block_id] = 0
-        self._free.extend(reversed(ids))
+        self._free.extend(reversed(checked))
 
     def available_blocks(self) -> int:
+        self.check_open()
         return len(self._free)
+
+    def check_invariants(self) -> None:
+        """Every id is free or handed out, exactly once. O(num_blocks)."""
+        if self._closed:
+            return
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block id is in the free list twice"
+        for block_id in range(self.num_blocks):
+            assert (block_id in free) != bool(self._held[block_id]), f"block id {block_id} is free and held, or neither"
 
     def mapped_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv)
@@ -180,6 +216,11 @@ class ElasticKVCache(PagedKVCache):
     @property
     def closed(self) -> bool:
         return self.manager is not None and self.manager.closed
+
+    def check_invariants(self) -> None:
+        """The manager's (rank 0); a closed cache has none left to check."""
+        if self.manager is not None and not self.manager.closed:
+            self.manager.check_invariants()
 
     def close(self) -> None:
         if self.manager is not None:

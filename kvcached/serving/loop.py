@@ -160,18 +160,53 @@ class ServingLoop:
         for queue in (self.running, self.waiting):
             for request in queue:
                 if request.id == request_id:
+                    self._release(request)          # first: if the free raises, the request stays
                     queue.remove(request)
-                    self._release(request)
                     self.stats.running, self.stats.waiting = len(self.running), len(self.waiting)
                     return True
         return False
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every request's state agrees with its queue and no block id
+        is held twice, then check the cache's own invariants. O(requests + blocks); for tests,
+        after any step, failed ones included."""
+        problems = []
+        seen: set[int] = set()
+        held: set[int] = set()
+        queues = (("running", self.running), ("waiting", self.waiting), ("finished", self._finished))
+        for name, queue in queues:
+            for request in queue:
+                if request.id in seen:
+                    problems.append(f"request {request.id} is in two places")
+                seen.add(request.id)
+                if held & set(request.blocks) or len(set(request.blocks)) != len(request.blocks):
+                    problems.append(f"request {request.id} ({name}) holds a block id held twice")
+                held.update(request.blocks)
+                if request.done != (name == "finished"):
+                    problems.append(f"request {request.id} is {name} with {len(request.generated)} of "
+                                    f"{request.max_new_tokens} tokens")
+                size = self.cache.block_size
+                if name == "running" and not (0 <= request.num_cached < len(request.tokens)
+                                              and request.num_cached <= len(request.blocks) * size
+                                              and len(request.blocks) <= -(-len(request.tokens) // size)):
+                    problems.append(f"running request {request.id}: {request.num_cached} tokens cached of "
+                                    f"{len(request.tokens)}, {len(request.blocks)} blocks")
+                if name == "waiting" and (request.num_cached or request.blocks):
+                    problems.append(f"waiting request {request.id} has {request.num_cached} tokens cached in "
+                                    f"{len(request.blocks)} blocks")
+        if len(self.running) > self.max_running:
+            problems.append(f"{len(self.running)} running, max_running={self.max_running}")
+        assert not problems, "; ".join(problems)
+        self.cache.check_invariants()
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule, run the model once over the packed batch, append one greedy token to every
         request whose prompt is complete; returns the requests that finished (blocks freed),
-        with any an interrupted step left. Raises KVCachedClosedError over a closed cache; any
-        other exception leaves every request as it was (See Note [Failed steps])."""
+        with any an interrupted step left. Raises KVCachedClosedError over a closed cache; an
+        exception from the schedule or the model call leaves every request as it was, one from
+        freeing the finished requests' blocks comes after the step's work is done (See Note
+        [Failed steps])."""
         self._step()
         return self.take_finished()
 
@@ -187,8 +222,9 @@ class ServingLoop:
             batch = self._schedule()
         sampled = self._run(batch) if batch else []     # raises: nothing was committed
         with _HeldInterrupt():
-            generated = self._commit(batch, sampled)
-            self._account(batch, generated, time.perf_counter() - start)
+            done = self._commit(batch, sampled)
+            self._account(batch, len(sampled), len(done), time.perf_counter() - start)
+            self._release_all(done)
 
     def run_until_done(self, *, stall_timeout_s: float = 60.0) -> dict[int, list[int]]:
         """Step until no request is left; returns {request id: generated tokens} of every request
@@ -215,7 +251,9 @@ class ServingLoop:
                     f"take_finished() or the next run_until_done() returns them")
             if not self.stats.step_tokens:
                 time.sleep(0.001)
-        return {request.id: request.generated for request in self.take_finished()}
+        results = {request.id: request.generated for request in self._finished}
+        self._finished = []                             # once built: a Ctrl-C in between loses nothing
+        return results
 
     # -- scheduling -----------------------------------------------------------------------------
     def _schedule(self) -> list[tuple[Request, int]]:
@@ -258,8 +296,8 @@ class ServingLoop:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self._release(request)                  # first: if the free raises, nothing changed
         self.running.remove(request)
-        self._release(request)
         request.num_cached = 0
         request.preemptions += 1
         self.waiting.appendleft(request)
@@ -300,10 +338,10 @@ class ServingLoop:
         tokens = self._forward(plan).argmax(-1).tolist()
         return list(zip(sampling, tokens))
 
-    def _commit(self, batch: list[tuple[Request, int]], sampled: list[tuple[Request, int]]) -> int:
+    def _commit(self, batch: list[tuple[Request, int]], sampled: list[tuple[Request, int]]) -> list[Request]:
         """After a model call that returned: the batch's K/V count as cached, the sampled tokens
-        are appended and the requests they complete leave with their blocks freed. Returns the
-        tokens generated."""
+        are appended, and the requests they complete move from running to the finished ones.
+        Returns those (their blocks still held). Raises nothing."""
         further = False
         for request, n in batch:
             request.num_cached += n
@@ -312,26 +350,38 @@ class ServingLoop:
                 further = True
         for request, token in sampled:
             request.tokens.append(token)
-            if request.done:
-                self.running.remove(request)
-                self._release(request)
-                self._finished.append(request)
+        done = [request for request, _ in sampled if request.done]
+        for request in done:
+            self.running.remove(request)
+            self._finished.append(request)
         if further or sampled:
             self._progress += 1
-        return len(sampled)
+        return done
+
+    def _release_all(self, requests: list[Request]) -> None:
+        """Free the blocks of every request, going on past a free that raises; raises the first
+        error (those requests keep their block ids). See Note [Failed steps]."""
+        error = None
+        for request in requests:
+            try:
+                self._release(request)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """The logits of the step's sampled positions (a tensor-parallel leader sends the plan
         to its workers first)."""
         return plan.forward(self.model, self.cache)
 
-    def _account(self, batch, generated: int, elapsed: float) -> None:
+    def _account(self, batch, generated: int, finished: int, elapsed: float) -> None:
         s = self.stats
         s.steps += 1
         s.step_tokens = sum(n for _, n in batch)
         s.last_step_s = elapsed
         s.generated_tokens += generated
-        s.finished += sum(1 for request, _ in batch if request.done)
+        s.finished += finished
         s.running, s.waiting = len(self.running), len(self.waiting)
         self._rate.append((elapsed, generated))
         seconds = sum(t for t, _ in self._rate)
@@ -364,6 +414,11 @@ class ServingLoop:
 # before the call: a failed chunk of a prefill was skipped (its tokens silently different) and a
 # decoding request made every later step raise. Ctrl-C can land between any two bytecodes, so
 # schedule and commit hold SIGINT off (_HeldInterrupt) and deliver it once the queues agree.
+# The commit moves counts, tokens and finished requests first, which cannot fail, and frees the
+# finished requests' blocks last: a free that raises (a closed cache, a tensor-parallel peer
+# gone) finds every request consistent, the other frees still run, and a request whose free
+# failed keeps its block ids. Preemption and abort free first and move the request after, so a
+# raising free leaves the request where it was.
 #
 # Note [Stalls]
 # Progress is a request getting further than it ever had (most_cached) or a token generated,

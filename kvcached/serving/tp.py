@@ -41,6 +41,10 @@ class TensorParallelLoop(ServingLoop):
     """The ServingLoop of rank 0: schedules, sends every step to the workers, runs its own shard
     and samples. ``close()`` (or leaving a ``with`` block) tells the workers to return.
 
+    Unlike ServingLoop's, a step that raises once it was sent (in the model call, a collective)
+    cannot be redone: the workers wait inside it. Every later step raises RuntimeError, the
+    requests stay on the loop as they were, and close() sends nothing. See Note [Leader and workers].
+
     Raises ValueError when the model is not split for this rank (rank 0 of the group), or the
     cache holds another number of KV heads than the shard.
     """
@@ -53,25 +57,36 @@ class TensorParallelLoop(ServingLoop):
         super().__init__(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running)
         self.group = group
         self.closed = False
+        self.failed: str | None = None  # the exception of a step that failed once sent
         self.steps_sent = 0         # forward steps the workers were given (steps with a batch)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
+        if self.failed is not None:
+            raise RuntimeError(f"a step of this TensorParallelLoop failed after it was sent to the workers "
+                               f"({self.failed}); they wait inside it, so the group is unusable. The requests "
+                               f"are in loop.running and loop.waiting as they were; restart every rank")
         if self.closed:
             raise RuntimeError("the TensorParallelLoop is closed (its workers have returned); start a new group")
-        self._send(STEP, plan.sizes)
-        dist.broadcast(plan.data, group=self.group, group_src=0)
-        self.steps_sent += 1
-        return super()._forward(plan)
+        try:
+            self._send(STEP, plan.sizes)
+            dist.broadcast(plan.data, group=self.group, group_src=0)
+            self.steps_sent += 1
+            return super()._forward(plan)
+        except BaseException as exc:
+            self.failed = repr(exc)
+            raise
 
     def _send(self, command: int, sizes: tuple[int, ...]) -> None:
         header = torch.tensor([command, *sizes], dtype=torch.int64, device=self.device)
         dist.broadcast(header, group=self.group, group_src=0)
 
     def close(self) -> None:
-        """Tell the workers to return from run(); idempotent."""
+        """Tell the workers to return from run() (not after a failed step: they are inside it);
+        idempotent."""
         if not self.closed:
             self.closed = True
-            self._send(STOP, (0,) * NUM_SIZES)
+            if self.failed is None:
+                self._send(STOP, (0,) * NUM_SIZES)
 
     def __enter__(self) -> Self:
         return self
@@ -129,5 +144,9 @@ class TensorParallelWorker:
 #
 # If the leader fails inside a step, the workers are left in a collective that will not
 # complete and see the process group's timeout; the group is then unusable, as in any
-# torch.distributed program. A clean end is close() (or leaving the loop's ``with`` block, which
-# closes on an exception too, before the step's broadcast if the failure came first).
+# torch.distributed program. ServingLoop redoes a failed step (Note [Failed steps] in
+# kvcached.serving.loop), but here a redo would start collectives the workers do not expect
+# (a header broadcast against the failed step's all-reduce: a hang or mixed data), so the loop
+# refuses every step after one that failed once sent, and close() sends no STOP either. A clean
+# end is close() (or leaving the loop's ``with`` block, which closes on an exception too, before
+# the step's broadcast if the failure came first).
