@@ -39,6 +39,7 @@ CASES = {
     "KVCACHED_IDLE_TRIM_S": ([("0", 0.0), ("30", 30.0), ("0.5", 0.5), ("86400", 86400.0), ("1e2", 100.0)],
                              ["-1", "86401", "nan", "inf", "-inf", "30s", ""]),
     "KVCACHED_TRACKER": ([("1", True), ("0", False), ("on", True)], ["maybe", "10"]),
+    "KVCACHED_VLLM": ([("1", True), ("0", False), ("on", True)], ["maybe", "2"]),
     "KVCACHED_IPC_NAME": ([("serve", "serve"), (" a.b-c_1 ", "a.b-c_1"), ("é" * 100, "é" * 100)],
                           ["", "  ", "a/b", ".", "..", "a\nb", "a\x7fb", "x" * 201, "é" * 101,
                            "bad\udcffutf8"]),
