@@ -719,15 +719,11 @@ cdef class BlockAllocator:
         cdef int32_t* out = stack_ids
         cdef int rc, i
         cdef long long count
-        cdef int overflow = 0
         if self.live_token != _fork_generation:
             self._raise_unusable()
-        count = PyLong_AsLongLongAndOverflow(n, &overflow) if PyLong_CheckExact(n) else _count(n, "alloc", &overflow)
-        if overflow or not 0 < count <= self.total_blocks:
-            if count == 0 and not overflow:
-                return []
-            self._refuse_count(n, overflow < 0 or (not overflow and count < 0), "alloc")
-            return None
+        count = self._checked_count(n, "alloc")
+        if count <= 0:
+            return [] if count == 0 else None
         if count > _STACK_IDS:
             out = <int32_t*>malloc(count * sizeof(int32_t))
             if out == NULL:
@@ -826,18 +822,11 @@ cdef class BlockAllocator:
         cdef int32_t* out
         cdef int rc, i
         cdef long long count
-        cdef int overflow = 0
         if self.live_token != _fork_generation:
             self._raise_unusable()
-        if PyLong_CheckExact(n):
-            count = PyLong_AsLongLongAndOverflow(n, &overflow)
-        else:
-            count = _count(n, "try_to_reserve", &overflow)
-        if overflow or not 0 < count <= self.total_blocks:
-            if count == 0 and not overflow:
-                return True
-            self._refuse_count(n, overflow < 0 or (not overflow and count < 0), "try_to_reserve")
-            return False
+        count = self._checked_count(n, "try_to_reserve")
+        if count <= 0:
+            return count == 0
         out = <int32_t*>malloc(count * sizeof(int32_t))
         if out == NULL:
             raise MemoryError
@@ -847,15 +836,21 @@ cdef class BlockAllocator:
             free(out)
         return rc == 0
 
-    cdef int _refuse_count(self, object n, bint negative, str what) except -1:
-        # alloc's and try_to_reserve's rare counts: a negative one raises; one above total_blocks
-        # is a failed alloc (counted, nothing else changes) for the caller to answer None / False
-        if negative:
+    cdef long long _checked_count(self, object n, str what) except -2:
+        # alloc's and try_to_reserve's count: n in [0, total_blocks]; -1 for one above it, of any
+        # size (a failed alloc, counted, nothing else changed: the caller answers None / False);
+        # raises ValueError for a negative one. See Note [Counts and ids past int32].
+        cdef int overflow = 0
+        cdef long long count = PyLong_AsLongLongAndOverflow(n, &overflow) if PyLong_CheckExact(n) \
+            else _count(n, what, &overflow)
+        if not overflow and 0 <= count <= self.total_blocks:
+            return count
+        if overflow < 0 or (not overflow and count < 0):
             raise ValueError(f"{what}(n={_index(n)}): n must be >= 0")
         self._lock()
         self.num_failed_allocs += 1
         pthread_mutex_unlock(&self.lock)
-        return 0
+        return -1
 
     def free_reserved(self):
         """Free every held block (pages that become empty go back)."""

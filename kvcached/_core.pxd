@@ -77,7 +77,7 @@ cdef class BlockAllocator:
     cdef int _check_not_forked(self) except -1                                       # 0, or raises KVCachedClosedError
     cdef int _clear_locked(self) except -1                                           # 0, or raises MemoryError (nothing freed)
     cdef int _run_alloc(self, int n, int32_t* out, bint use_held, bint hold=*) except -1   # 0 / _OOM, or raises; GIL held
-    cdef int _refuse_count(self, object n, bint negative, str what) except -1          # ValueError if negative, else 0 (a failed alloc counted)
+    cdef long long _checked_count(self, object n, str what) except -2   # n in [0, total_blocks], -1 above it (a failed alloc counted); ValueError if negative
     cdef int _hold(self, int n, const int32_t* ids) noexcept nogil                   # the ids just allocated become held
     cdef int _place(self, int n, int h, int np_new, int32_t* out) noexcept nogil     # -> unneeded new pages, in page_buf
     cdef int _run_free(self, int n, const int32_t* ids) except -1                    # 0, or raises BlockStateError (nothing freed); GIL held
