@@ -173,6 +173,7 @@ class ServingLoop:
         problems = []
         seen: set[int] = set()
         held: set[int] = set()
+        size = self.cache.block_size
         queues = (("running", self.running), ("waiting", self.waiting), ("finished", self._finished))
         for name, queue in queues:
             for request in queue:
@@ -185,7 +186,6 @@ class ServingLoop:
                 if request.done != (name == "finished"):
                     problems.append(f"request {request.id} is {name} with {len(request.generated)} of "
                                     f"{request.max_new_tokens} tokens")
-                size = self.cache.block_size
                 if name == "running" and not (0 <= request.num_cached < len(request.tokens)
                                               and request.num_cached <= len(request.blocks) * size
                                               and len(request.blocks) <= -(-len(request.tokens) // size)):
