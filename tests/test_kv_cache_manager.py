@@ -1,4 +1,4 @@
-"""KVCacheManager's contract (DESIGN.md section 7) on the host backend, for every layout.
+"""KVCacheManager's contract (its docstrings) on the host backend, for every layout.
 
 Real mappings, small pages (64 KiB per buffer) and tiny pool bounds so that pages are mapped,
 pooled and unmapped within a few steps. Exact available_size() checks run with

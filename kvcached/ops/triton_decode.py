@@ -192,7 +192,7 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Decode attention reads every cached K/V byte once and does ~2 FLOP per byte: it is bound by
 # memory bandwidth, and the kernel's only job is to keep enough loads in flight. A probe on the
-# H200 (DESIGN.md section 5) reached 4.24 TB/s, 98% of the copy rate, with this shape: one program
+# H200 reached 4.24 TB/s, 98% of the copy rate, with this shape: one program
 # per (sequence, KV head), so each K/V byte is read by exactly one program and the GQA group's
 # queries share it; the group padded to 16 rows so that q.K^T and p.V are tensor-core dots (a
 # group of 1-8 rows would otherwise be a reduction over registers); BLOCK_N = 64 tokens per step
