@@ -1,4 +1,4 @@
-"""Build kvcached's Cython extensions (_vmm, _pagetable, _pagealloc, _core) against cuda-bindings' cydriver.
+"""Build kvcached's compiled core (kvcached/core: vmm, pagetable, pagealloc, blockalloc) against cuda-bindings' cydriver.
 
 See Note [Which cuda.h] for how the header is chosen and why the pairing is checked here
 instead of failing deep inside the C++ compiler.
@@ -75,9 +75,9 @@ def find_cuda_include() -> str:
     )
 
 
-# The compiled core: four extension modules, each cimporting only the ones before it, each with
-# a .pxd contract and a .pyi stub (shipped as package data).
-CORE_MODULES = ("_vmm", "_pagetable", "_pagealloc", "_core")
+# The compiled core: one extension module per layer, each cimporting only the ones before it, each
+# with a .pxd contract and a .pyi stub (shipped as package data). The generated C++ goes to build/.
+CORE_MODULES = ("vmm", "pagetable", "pagealloc", "blockalloc")
 
 
 def extensions():
@@ -86,8 +86,8 @@ def extensions():
     include_dirs = [find_cuda_include()]
     modules = [
         Extension(
-            f"kvcached.{name}",
-            sources=[f"kvcached/{name}.pyx"],
+            f"kvcached.core.{name}",
+            sources=[f"kvcached/core/{name}.pyx"],
             include_dirs=include_dirs,
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-Wno-unused-function", "-Wno-deprecated-declarations"],
@@ -96,6 +96,7 @@ def extensions():
     ]
     return cythonize(
         modules,
+        build_dir="build",
         language_level=3,
         compiler_directives={"boundscheck": False, "wraparound": False, "cdivision": True, "embedsignature": True},
     )

@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcached._core import BlockAllocator, PageAllocator  # noqa: E402
-from kvcached._pagetable import PageTable  # noqa: E402
-from kvcached._vmm import CudaBackend, HostBackend  # noqa: E402
+from kvcached.core import BlockAllocator, PageAllocator  # noqa: E402
+from kvcached.core import PageTable  # noqa: E402
+from kvcached.core import CudaBackend, HostBackend  # noqa: E402
 
 MIB = 1 << 20
 BLOCKS_PER_PAGE = 64

@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="shorter timings (smoke run)")
     args = parser.parse_args(argv)
     if args.device == "cuda":
-        from kvcached._vmm import cuda_unavailable_reason
+        from kvcached.core import cuda_unavailable_reason
 
         reason = cuda_unavailable_reason()
         if reason is not None:

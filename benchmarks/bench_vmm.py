@@ -13,7 +13,7 @@ Prints three tables and, with --json, writes them for benchmarks/README.md:
      export them to torch (per_layer = 64 ranges, compound = 1 range + 32 per-layer views),
      no zero page, in ms.
 
-Every figure is one Python call into kvcached._core, Python-side validation included (for page
+Every figure is one Python call into kvcached.core, Python-side validation included (for page
 tables that is the numpy check of the ids, a few µs; the allocators call the nogil path directly).
 On the host backend (device cpu) the sizes of table 1 and 2 are the same as on the GPU: its
 "physical" pages are memfd slots, created and mapped without touching memory. A benchmark, never a
@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvcached import _core  # noqa: E402
+from kvcached import core  # noqa: E402
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -121,7 +121,7 @@ def bench_backend_ops(b, n: int, reserve_n: int) -> list[dict]:
         r.free()
     finally:
         loud()
-        b.set_handle_cache_capacity(_core.DEFAULT_HANDLE_CACHE_SIZE)
+        b.set_handle_cache_capacity(core.DEFAULT_HANDLE_CACHE_SIZE)
     return rows
 
 
@@ -132,9 +132,9 @@ def make_table(b, layout: str, layers: int, page: int, num_pages: int):
     buffers = 2 * layers
     if layout == "per_layer":
         ranges = [b.reserve(page * num_pages) for _ in range(buffers)]
-        return _core.PageTable(b, [(r, 0) for r in ranges], page, num_pages), ranges
+        return core.PageTable(b, [(r, 0) for r in ranges], page, num_pages), ranges
     r = b.reserve(page * buffers * num_pages)
-    return _core.PageTable(b, [(r, 0)], page * buffers, num_pages), [r]
+    return core.PageTable(b, [(r, 0)], page * buffers, num_pages), [r]
 
 
 def bench_page_tables(b, page: int, layers_list, n_for) -> list[dict]:
@@ -175,7 +175,7 @@ def bench_page_tables(b, page: int, layers_list, n_for) -> list[dict]:
                 })
             del pt, ranges
             gc.collect()
-    b.set_handle_cache_capacity(_core.DEFAULT_HANDLE_CACHE_SIZE)
+    b.set_handle_cache_capacity(core.DEFAULT_HANDLE_CACHE_SIZE)
     return rows
 
 
@@ -271,7 +271,7 @@ def meta_for(b, device: str) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    default_device = "cuda" if _core.cuda_unavailable_reason() is None else "cpu"
+    default_device = "cuda" if core.cuda_unavailable_reason() is None else "cpu"
     parser.add_argument("--device", choices=("cpu", "cuda"), default=default_device,
                         help=f"backend to measure (default here: {default_device})")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.device == "cuda":
-        reason = _core.cuda_unavailable_reason()
+        reason = core.cuda_unavailable_reason()
         if reason is not None:
             parser.error(f"--device cuda: {reason}")
         try:
@@ -288,9 +288,9 @@ def main(argv=None) -> int:
             torch.cuda.init()                # share the primary context before timing anything
         except Exception:
             pass
-        b = _core.CudaBackend(0)
+        b = core.CudaBackend(0)
     else:
-        b = _core.HostBackend(granularity=2 * MiB)   # capacity: the machine's memory (slots only)
+        b = core.HostBackend(granularity=2 * MiB)   # capacity: the machine's memory (slots only)
     page = b.granularity
     scale = 0.2 if args.quick else 1.0
     n_ops = max(50, int(1000 * scale))

@@ -16,7 +16,7 @@ def pytest_addoption(parser):
 def bench_device(request):
     device = request.config.getoption("--bench-device")
     if device == "cuda":
-        from kvcached._vmm import cuda_unavailable_reason
+        from kvcached.core import cuda_unavailable_reason
 
         reason = cuda_unavailable_reason()
         if reason is not None:

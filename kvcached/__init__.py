@@ -8,12 +8,12 @@ The layers, each calling only the ones below it (tests/test_layers.py checks the
     runtime          runtime.py            the one registry: backend, groups, managers
     manager          kv_cache_manager.py   engine-facing policy: limits, budget, publishing
     tensor parallel  tp/                   rank 0's page tables mirrored on the other ranks
-    block allocator  _core.pyx (_block_allocator.pxi)   block ids over pages
-    page allocator   _pagealloc.pyx (_page_allocator.pxi)  free set, reserved pool, deferred unmap
-    refill policy    _pagealloc.pyx (_refill.pxi)          background thread, refill target, idle trim
-    page table       _pagetable.pyx        map/unmap all or nothing, rollback, zero page
-    backend          _vmm.pyx              checked driver calls, CUDA or host memory, the
-                                           handle cache, virtual ranges and DLPack
+    compiled core    core/                 the hot path, one Cython module per layer:
+      block allocator  core/blockalloc.pyx   block ids over pages
+      page allocator   core/pagealloc.pyx    free set, reserved pool, pending fences, refill policy
+      page table       core/pagetable.pyx    map/unmap all or nothing, rollback, zero page
+      backend          core/vmm.pyx          checked driver calls, CUDA or host memory, the
+                                             handle cache, virtual ranges and DLPack
 
 Each compiled module cimports only the ones below it through their .pxd contracts.
 Beside them: layout.py (where each block lives in the ranges), mem_info_tracker.py and budget.py

@@ -1,7 +1,7 @@
 """KVCacheManager: the engine-facing allocator of KV blocks over one group's elastic tensors.
 
 Policy lives here, in Python; the per-block work is in the Cython allocators
-(``kvcached._core.BlockAllocator`` over ``PageAllocator``), which are thread-safe by themselves.
+(``kvcached.core.BlockAllocator`` over ``PageAllocator``), which are thread-safe by themselves.
 See Note [Hot path binding], Note [Limits] and Note [Manager life cycle].
 
 A manager knows nothing of the runtime above it: the runtime hands it a ``Registry`` (its group,
@@ -25,9 +25,8 @@ from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigEr
 from .mem_info_tracker import I64_MAX, NO_LIMIT, MemInfoTracker, classify_limit_request
 
 if TYPE_CHECKING:
-    from ._core import BlockAllocator, _BlockAllocatorStats
-    from ._pagealloc import PageAllocator
-    from ._pagetable import PageTable
+    from .core import BlockAllocator, PageAllocator, PageTable
+    from .core.blockalloc import _BlockAllocatorStats
     from .budget import Budget
     from .layout import KVLayout
 
@@ -242,8 +241,8 @@ class KVCacheManager:
     def _build(self, settings: config.Settings, ipc_name: str | None, reserve_null_block: bool) -> None:
         """Make the allocators, the budget share and the tracker, then start the threads.
         Assumes the registry's lock; on an exception the caller tears down what exists."""
-        from ._core import BlockAllocator
-        from ._pagealloc import PageAllocator
+        from .core import BlockAllocator
+        from .core import PageAllocator
 
         layout = self._group.layout
         self.layout = layout.name
@@ -687,7 +686,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # After fork() every manager of the child is marked forked by an at-fork handler: every method
 # raises before taking any lock (a lock may have been held by a parent thread that does not exist
 # in the child), close() does nothing, and the Cython objects refuse every call by themselves
-# (Note [Fork and close] in _vmm), so neither the child's calls nor its exit handlers unmap,
+# (Note [Fork and close] in core/vmm.pyx), so neither the child's calls nor its exit handlers unmap,
 # free or hand out the parent's pages.
 #
 # Note [Limits]

@@ -58,8 +58,7 @@ from .checks import as_int
 from .errors import KVCachedConfigError
 
 if TYPE_CHECKING:
-    from ._pagetable import PageTable
-    from ._vmm import Backend, VirtualRange
+    from .core import Backend, PageTable, VirtualRange
 
 _Range = TypeVar("_Range")  # a VirtualRange; check_invariants passes range indices
 
@@ -207,7 +206,7 @@ class KVLayout:
                    zero_page: bool = False) -> PageTable:
         """A ``PageTable`` over ``ranges`` (reserved as ``range_sizes()`` says). ``zero_page`` is
         passed through; see the module docstring for its trade-off."""
-        from ._pagetable import PageTable
+        from .core import PageTable
         return PageTable(backend, self.segments(ranges), self.map_bytes, self.num_pages, zero_page)
 
     def views(self, range_tensors: Sequence, shape_kind: str, dtype, block_shape: Sequence[int],

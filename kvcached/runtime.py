@@ -38,8 +38,7 @@ from .layout import KVLayout, choose_layout, make_layout
 from .mem_info_tracker import classify_limit_request, split_limit
 
 if TYPE_CHECKING:
-    from ._pagetable import PageTable
-    from ._vmm import Backend
+    from .core import Backend, PageTable
     from .tp import Follower, Leader, TableMirror
 
 logger = logging.getLogger("kvcached")
@@ -95,7 +94,7 @@ def resolve_device(device: object) -> str:
     """The device string kvcached uses for ``device`` ("cpu" or "cuda:N"); None picks the current
     CUDA device when CUDA is usable, else "cpu". Raises KVCachedConfigError for a device that does
     not exist or is not understood, naming the ones that would work."""
-    from ._vmm import cuda_device_count, cuda_unavailable_reason
+    from .core import cuda_device_count, cuda_unavailable_reason
 
     if device is None:
         if cuda_unavailable_reason() is not None:
@@ -124,7 +123,7 @@ def resolve_device(device: object) -> str:
 
 
 def _make_backend(device: str, page_bytes: int, host_capacity_bytes: int | None):
-    from ._vmm import CudaBackend, HostBackend
+    from .core import CudaBackend, HostBackend
 
     if device == "cpu":
         granularity = min(2 << 20, page_bytes)
@@ -630,7 +629,7 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # forked (and kv_cache_manager's marks every manager): the inherited runtime then refuses every
 # call, and shutdown_kvcached() in the child, or at its exit, only forgets it. The Cython core
 # refuses to touch anything from an object made before the fork, its deallocators included
-# (Note [Fork and close] in _vmm), so the child's exit leaves the parent's cache untouched.
+# (Note [Fork and close] in core/vmm.pyx), so the child's exit leaves the parent's cache untouched.
 #
 # Note [Tensor-parallel runtime]
 # With world_size > 1 every rank of the TP group runs init_kvcached and alloc_kv_cache with its

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from kvcached import _core
+from kvcached import core
 
 OS_PAGE = os.sysconf("SC_PAGE_SIZE")
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +24,7 @@ SIGSEGV_RC = -signal.SIGSEGV
 def host_backend(granularity: int = OS_PAGE, capacity_granules: int = 64, cache_capacity: int | None = None):
     """A HostBackend of tiny pages (one OS page by default) and a small pool, so that the rare
     transitions (pool full, cache full) happen after a handful of steps."""
-    backend = _core.HostBackend(granularity=granularity, capacity_bytes=granularity * capacity_granules)
+    backend = core.HostBackend(granularity=granularity, capacity_bytes=granularity * capacity_granules)
     if cache_capacity is not None:
         backend.set_handle_cache_capacity(cache_capacity)
     return backend
@@ -93,4 +93,4 @@ def proc_maps_has(address: int) -> bool:
 
 
 def cuda_reason() -> str | None:
-    return _core.cuda_unavailable_reason()
+    return core.cuda_unavailable_reason()

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from kvcached._core import BlockAllocator, PageAllocator
-from kvcached._pagetable import PageTable
-from kvcached._vmm import HostBackend
+from kvcached.core import BlockAllocator, PageAllocator
+from kvcached.core import PageTable
+from kvcached.core import HostBackend
 
 GRANULARITY = 64 << 10
 KV_PAGE_BYTES = 64 << 10          # page size of the runtime-level tests (init_kvcached(page_size_bytes=...))

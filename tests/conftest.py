@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from _stacks import GRANULARITY, Stack, make_stack
-from kvcached._vmm import HostBackend
+from kvcached.core import HostBackend
 
 
 @pytest.fixture

@@ -170,7 +170,7 @@ def test_rollback_goes_on_past_a_failed_unmap_and_raises_the_first_error(stack_f
 
 def test_page_table_undo_raises_its_first_failure_after_out_of_memory(host_backend):
     """Out of memory makes map return False, unless the undo fails: then its first error."""
-    from kvcached._pagetable import PageTable
+    from kvcached.core import PageTable
 
     g = host_backend.granularity
     ranges = [host_backend.reserve(4 * g) for _ in range(2)]
@@ -226,9 +226,9 @@ def test_failed_unmap_never_leaks_a_page_id(stack_factory, zero_page):
 _MAX_MAP_COUNT_SCRIPT = r"""
 import sys
 sys.path.insert(0, "tests")
-from kvcached._core import BlockAllocator, PageAllocator
-from kvcached._pagetable import PageTable
-from kvcached._vmm import HostBackend
+from kvcached.core import BlockAllocator, PageAllocator
+from kvcached.core import PageTable
+from kvcached.core import HostBackend
 from kvcached.errors import DriverError
 
 limit = int(open("/proc/sys/vm/max_map_count").read())

@@ -1,5 +1,5 @@
 """Lifecycle of the compiled core: a closed allocator refuses everything, and a forked child can
-neither use nor tear down what it inherited (Note [Fork and close] in _vmm.pyx).
+neither use nor tear down what it inherited (Note [Fork and close] in core/vmm.pyx).
 
 Real processes: the fork tests run a fresh interpreter that builds a stack, writes a pattern into
 its blocks, forks, and lets the child try everything (its exit, at-exit handlers included), then
@@ -109,7 +109,7 @@ _FORK_SCRIPT = r"""
 import atexit, ctypes, gc, os, sys
 sys.path.insert(0, "tests")
 from _stacks import make_stack
-from kvcached import _core
+from kvcached import core
 from kvcached.errors import KVCachedError
 
 s = make_stack(num_pages=16, capacity_granules=None, segments=2, min_reserved=2, max_reserved=4)
@@ -134,7 +134,7 @@ pid = os.fork()
 if pid == 0:
     code = 0
     try:
-        assert _core.fork_generation() == 1
+        assert core.fork_generation() == 1
         assert s.blocks.lifecycle == s.pages.lifecycle == s.table.lifecycle == "forked"
         calls = {
             "alloc": lambda: s.blocks.alloc(1), "free": lambda: s.blocks.free(ids[:4]),

@@ -1,6 +1,6 @@
 """Backend layer on the host backend: real mappings, real memory, faults seen in child processes.
 
-Mirrors kvcached/_vmm.pyx: reserve / create / map / set access / unmap / release, the handle
+Mirrors kvcached/core/vmm.pyx: reserve / create / map / set access / unmap / release, the handle
 cache, fault injection, out of memory, validation, and the no-driver path of CudaBackend.
 """
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvcached import _core
+from kvcached import core
 from kvcached.errors import (
     DriverError,
     DriverUnavailableError,
@@ -81,8 +81,8 @@ def test_reserved_but_never_mapped_address_faults():
     result = run_child(
         """
         import ctypes
-        from kvcached import _core
-        b = _core.HostBackend(granularity=4096, capacity_bytes=1 << 20)
+        from kvcached import core
+        b = core.HostBackend(granularity=4096, capacity_bytes=1 << 20)
         r = b.reserve(4 * 4096)
         print("ok", flush=True)
         ctypes.string_at(r.address + 4096, 1)
@@ -96,9 +96,9 @@ def test_unmapped_address_faults_and_neighbour_still_works():
     result = run_child(
         """
         import ctypes
-        from kvcached import _core
+        from kvcached import core
         g = 4096
-        b = _core.HostBackend(granularity=g, capacity_bytes=1 << 20)
+        b = core.HostBackend(granularity=g, capacity_bytes=1 << 20)
         r = b.reserve(4 * g)
         h0, h1 = b.create(g), b.create(g)
         b.map(r.address, g, h0)
@@ -118,9 +118,9 @@ def test_read_only_access_faults_on_write():
     result = run_child(
         """
         import ctypes
-        from kvcached import _core
+        from kvcached import core
         g = 4096
-        b = _core.HostBackend(granularity=g, capacity_bytes=1 << 20)
+        b = core.HostBackend(granularity=g, capacity_bytes=1 << 20)
         r = b.reserve(g)
         h = b.create(g)
         b.map(r.address, g, h, writable=False)
@@ -173,7 +173,7 @@ def test_release_through_page_table_close_and_release_cached_gives_memory_back()
     g = 16 * G
     b = host_backend(granularity=g, capacity_granules=32, cache_capacity=4)
     r = b.reserve(16 * g)
-    pt = _core.PageTable(b, [(r, 0), (r, 8 * g)], g, 8)
+    pt = core.PageTable(b, [(r, 0), (r, 8 * g)], g, 8)
     base = pool_bytes(b)
     assert pt.map(range(8))
     for p in range(8):
@@ -233,7 +233,7 @@ def test_released_slot_is_reused_and_reads_zero():
 def test_unmap_then_map_again_hits_the_cache_instead_of_creating():
     b = host_backend()
     r = b.reserve(4 * G)
-    pt = _core.PageTable(b, [(r, 0), (r, 2 * G)], G, 2)
+    pt = core.PageTable(b, [(r, 0), (r, 2 * G)], G, 2)
     assert pt.map([0])
     s0 = b.stats()
     pt.unmap([0])
@@ -292,7 +292,7 @@ def test_cache_capacity_out_of_bounds_raises_config_error(capacity):
     b = host_backend()
     with pytest.raises(KVCachedConfigError):
         b.set_handle_cache_capacity(capacity)
-    assert b.cache_capacity == _core.DEFAULT_HANDLE_CACHE_SIZE
+    assert b.cache_capacity == core.DEFAULT_HANDLE_CACHE_SIZE
 
 
 # -- out of memory --------------------------------------------------------------------------------
@@ -337,12 +337,12 @@ def test_fault_injection_counts_successful_acquisitions():
 def test_host_granularity_not_a_multiple_of_the_os_page_raises():
     for granularity in (0, OS_PAGE // 2, OS_PAGE + 512, 3 * OS_PAGE // 2):
         with pytest.raises(KVCachedConfigError):
-            _core.HostBackend(granularity=granularity, capacity_bytes=1 << 20)
+            core.HostBackend(granularity=granularity, capacity_bytes=1 << 20)
 
 
 def test_host_capacity_below_one_granule_raises():
     with pytest.raises(KVCachedConfigError):
-        _core.HostBackend(granularity=16 * OS_PAGE, capacity_bytes=8 * OS_PAGE)
+        core.HostBackend(granularity=16 * OS_PAGE, capacity_bytes=8 * OS_PAGE)
 
 
 def test_failed_host_backend_construction_closes_no_foreign_fd():
@@ -350,11 +350,11 @@ def test_failed_host_backend_construction_closes_no_foreign_fd():
     result = run_child(
         """
         import gc, os
-        from kvcached import _core
+        from kvcached import core
         r, w = os.pipe()
         os.dup2(r, 0)
         try:
-            _core.HostBackend(granularity=1000)
+            core.HostBackend(granularity=1000)
         except Exception as exc:
             print(type(exc).__name__)
         gc.collect()
@@ -397,9 +397,9 @@ def test_misaligned_map_address_raises_mapping_error():
     result = run_child(
         """
         import ctypes
-        from kvcached import _core
+        from kvcached import core
         from kvcached.errors import MappingError
-        b = _core.HostBackend(granularity=4096, capacity_bytes=1 << 20)
+        b = core.HostBackend(granularity=4096, capacity_bytes=1 << 20)
         r = b.reserve(2 * 4096)
         h = b.create(4096)
         try:
@@ -432,21 +432,21 @@ def test_mapping_error_is_a_value_error_and_config_error_a_runtime_error():
 # -- the no-driver case -----------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(_core.cuda_unavailable_reason() is None, reason="this machine has a usable CUDA driver")
+@pytest.mark.skipif(core.cuda_unavailable_reason() is None, reason="this machine has a usable CUDA driver")
 def test_cuda_backend_without_a_driver_names_the_host_backend():
-    reason = _core.cuda_unavailable_reason()
+    reason = core.cuda_unavailable_reason()
     assert isinstance(reason, str) and reason
     with pytest.raises(DriverUnavailableError) as info:
-        _core.CudaBackend(0)
+        core.CudaBackend(0)
     assert "device='cpu'" in str(info.value)
     assert reason in str(info.value)
-    assert _core.cuda_device_count() == 0
+    assert core.cuda_device_count() == 0
 
 
 def test_driver_probe_is_cached():
-    first = _core.cuda_unavailable_reason()
+    first = core.cuda_unavailable_reason()
     start = time.perf_counter()
-    answers = [_core.cuda_unavailable_reason() for _ in range(200)]
+    answers = [core.cuda_unavailable_reason() for _ in range(200)]
     elapsed = time.perf_counter() - start
     # the same object every time: the probe ran once. (An uncached probe without libcuda costs
     # 0.1-0.5 ms a call, 20-100 ms for 200; the cached answer a fraction of a microsecond.)
@@ -457,16 +457,16 @@ def test_driver_probe_is_cached():
 def test_driver_probe_in_a_fresh_process_answers_the_same():
     result = run_child(
         """
-        from kvcached import _core
-        a = _core.cuda_unavailable_reason()
-        b = _core.cuda_unavailable_reason()
+        from kvcached import core
+        a = core.cuda_unavailable_reason()
+        b = core.cuda_unavailable_reason()
         print(repr(a is b), repr(a))
         """
     )
     assert result.returncode == 0, result.stderr
     same, reason = result.stdout.split(" ", 1)
     assert same == "True"
-    assert reason.strip() == repr(_core.cuda_unavailable_reason())
+    assert reason.strip() == repr(core.cuda_unavailable_reason())
 
 
 def test_fences_on_the_host_backend_are_immediately_done():
@@ -506,8 +506,8 @@ def test_objects_that_own_memory_cannot_be_copied_or_pickled():
 
     b = host_backend()
     r = b.reserve(4 * b.granularity)
-    table = _core.PageTable(b, [(r, 0)], b.granularity, 4)
-    for obj in (b, r, table, _core.PageAllocator(table)):
+    table = core.PageTable(b, [(r, 0)], b.granularity, 4)
+    for obj in (b, r, table, core.PageAllocator(table)):
         with pytest.raises(TypeError):
             copy.copy(obj)
         with pytest.raises(TypeError):
@@ -518,15 +518,15 @@ def test_none_and_abstract_arguments_are_refused_without_a_crash():
     b = host_backend()
     r = b.reserve(b.granularity)
     with pytest.raises(TypeError, match="abstract"):
-        _core.Backend()
+        core.Backend()
     with pytest.raises(TypeError):
-        _core.PageTable(None, [(r, 0)], b.granularity, 1)
+        core.PageTable(None, [(r, 0)], b.granularity, 1)
     with pytest.raises(MappingError, match="not a VirtualRange"):
-        _core.PageTable(b, [(None, 0)], b.granularity, 1)
+        core.PageTable(b, [(None, 0)], b.granularity, 1)
     with pytest.raises(TypeError):
-        _core.PageAllocator(None)
+        core.PageAllocator(None)
     with pytest.raises(TypeError):
-        _core.BlockAllocator.dense(None, 4096)
+        core.BlockAllocator.dense(None, 4096)
 
 
 def test_integrated_memory_is_false_on_the_host_backend():
@@ -534,11 +534,11 @@ def test_integrated_memory_is_false_on_the_host_backend():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_core.cuda_unavailable_reason() is not None, reason="needs a CUDA device")
+@pytest.mark.skipif(core.cuda_unavailable_reason() is not None, reason="needs a CUDA device")
 def test_integrated_memory_matches_the_device_attribute():
     """CudaBackend.integrated_memory is CU_DEVICE_ATTRIBUTE_INTEGRATED (the layout choice reads
     it): False on a discrete GPU such as the H200, True on a GB10 or Jetson."""
     import torch
 
-    backend = _core.CudaBackend(0)
+    backend = core.CudaBackend(0)
     assert backend.integrated_memory is bool(torch.cuda.get_device_properties(0).is_integrated)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcached._core import BlockAllocator, PageAllocator
+from kvcached.core import BlockAllocator, PageAllocator
 from kvcached.errors import BlockStateError, KVCachedConfigError
 
 from _stacks import GRANULARITY, make_table, state_of
@@ -339,9 +339,9 @@ def test_huge_counts_return_none_and_change_nothing(stack_factory):
 _CAPPED_PRELUDE = """
 import json, resource, sys, time
 import numpy as np
-from kvcached._core import BlockAllocator, PageAllocator
-from kvcached._pagetable import PageTable
-from kvcached._vmm import HostBackend
+from kvcached.core import BlockAllocator, PageAllocator
+from kvcached.core import PageTable
+from kvcached.core import HostBackend
 from kvcached.errors import KVCachedConfigError
 
 def vm_bytes():

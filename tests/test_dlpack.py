@@ -1,4 +1,4 @@
-"""VirtualRange's zero-copy export to torch through DLPack, on the host backend (_vmm.pyx)."""
+"""VirtualRange's zero-copy export to torch through DLPack, on the host backend (core/vmm.pyx)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.utils.dlpack  # noqa: E402
 
-from kvcached import _core  # noqa: E402
+from kvcached import core  # noqa: E402
 from kvcached.errors import MappingError  # noqa: E402
 
 from _backends import OS_PAGE, assert_segfaults_after, fill, host_backend, proc_maps_has, read, run_child  # noqa: E402
@@ -30,7 +30,7 @@ def test_tensor_is_the_range_itself():
 def test_writes_through_the_tensor_land_in_the_mapped_pages_and_back():
     b = host_backend()
     r = b.reserve(4 * G)
-    pt = _core.PageTable(b, [(r, 0)], G, 4)
+    pt = core.PageTable(b, [(r, 0)], G, 4)
     assert pt.map([1, 3])
     t = r.tensor()
     t[G:2 * G] = 0x21
@@ -89,9 +89,9 @@ def test_tensor_over_a_dropped_range_still_faults_on_unmapped_pages():
     result = run_child(
         """
         import ctypes, gc
-        from kvcached import _core
+        from kvcached import core
         g = 4096
-        b = _core.HostBackend(granularity=g, capacity_bytes=1 << 20)
+        b = core.HostBackend(granularity=g, capacity_bytes=1 << 20)
         r = b.reserve(4 * g)
         h = b.create(g)
         b.map(r.address, g, h)
@@ -170,7 +170,7 @@ def test_freed_range_refuses_to_export():
 
 def test_virtual_range_is_made_by_reserve_only():
     with pytest.raises(TypeError):
-        _core.VirtualRange()
+        core.VirtualRange()
 
 
 def test_check_offset_validates_alignment_and_bounds():

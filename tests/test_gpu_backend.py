@@ -1,6 +1,6 @@
 """The backend, page-table and DLPack semantics of the host tests, on CudaBackend (marker `gpu`).
 
-Skipped unless kvcached._core.cuda_unavailable_reason() is None and torch sees the device. Data is
+Skipped unless kvcached.core.cuda_unavailable_reason() is None and torch sees the device. Data is
 written and read with torch on the device through the DLPack export, or with cuMemsetD8
 (CudaBackend.memset). Anything that would corrupt this process's CUDA context (a write to the
 read-only zero page) runs in a child process.
@@ -12,15 +12,15 @@ import random
 
 import pytest
 
-from kvcached import _core
+from kvcached import core
 from kvcached.errors import DriverError, KVCachedConfigError, MappingError, OutOfDeviceMemory
 
 from _backends import live_state, run_child
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_core.cuda_unavailable_reason() is not None,
-                       reason="CUDA is not usable here (kvcached._core.cuda_unavailable_reason())"),
+    pytest.mark.skipif(core.cuda_unavailable_reason() is not None,
+                       reason="CUDA is not usable here (kvcached.core.cuda_unavailable_reason())"),
 ]
 
 torch = pytest.importorskip("torch")
@@ -32,7 +32,7 @@ def backend():
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA device")
     torch.cuda.init()
-    b = _core.CudaBackend(0)
+    b = core.CudaBackend(0)
     yield b
     torch.cuda.synchronize()
     b.release_cached()
@@ -41,7 +41,7 @@ def backend():
 @pytest.fixture()
 def b(backend):
     """The module's backend, checked to hold no live handle after each test (nothing leaked)."""
-    backend.set_handle_cache_capacity(_core.DEFAULT_HANDLE_CACHE_SIZE)
+    backend.set_handle_cache_capacity(core.DEFAULT_HANDLE_CACHE_SIZE)
     backend.inject_out_of_memory(-1)
     backend.release_cached()
     live = backend.stats()["num_creates"] - backend.stats()["num_releases"]
@@ -65,7 +65,7 @@ def test_granularity_and_kind(b):
 
 def test_unknown_device_raises_config_error():
     with pytest.raises(KVCachedConfigError):
-        _core.CudaBackend(_core.cuda_device_count())
+        core.CudaBackend(core.cuda_device_count())
 
 
 def test_alias_two_mappings_of_one_handle(b):
@@ -91,7 +91,7 @@ def test_alias_two_mappings_of_one_handle(b):
 def test_dlpack_exports_a_cuda_tensor_of_the_range(b):
     g = b.granularity
     r = b.reserve(8 * g)
-    pt = _core.PageTable(b, [(r, 0)], g, 8)
+    pt = core.PageTable(b, [(r, 0)], g, 8)
     assert pt.map([2, 5])
     t = r.tensor()
     assert t.device == torch.device("cuda", 0) and t.dtype == torch.uint8
@@ -108,7 +108,7 @@ def test_dlpack_exports_a_cuda_tensor_of_the_range(b):
 def test_range_outlives_its_object_while_a_cuda_tensor_lives(b):
     g = b.granularity
     r = b.reserve(2 * g)
-    pt = _core.PageTable(b, [(r, 0)], g, 2)
+    pt = core.PageTable(b, [(r, 0)], g, 2)
     assert pt.map([0])
     t = r.tensor()
     del r
@@ -122,7 +122,7 @@ def test_range_outlives_its_object_while_a_cuda_tensor_lives(b):
 def test_unmap_then_map_again_skips_cuMemCreate(b):
     g = b.granularity
     r = b.reserve(4 * g)
-    pt = _core.PageTable(b, [(r, 0), (r, 2 * g)], g, 2)
+    pt = core.PageTable(b, [(r, 0), (r, 2 * g)], g, 2)
     assert pt.map([0])
     s0 = b.stats()
     pt.unmap([0])
@@ -137,7 +137,7 @@ def test_cache_capacity_zero_creates_every_time(b):
     g = b.granularity
     b.set_handle_cache_capacity(0)
     r = b.reserve(g)
-    pt = _core.PageTable(b, [(r, 0)], g, 1)
+    pt = core.PageTable(b, [(r, 0)], g, 1)
     assert pt.map([0])
     pt.unmap([0])
     s0 = b.stats()
@@ -168,7 +168,7 @@ def test_page_table_map_returns_false_when_the_device_is_full(b):
     big = 8 << 30
     num_pages = 40                                       # 320 GiB virtual: more than any H200
     r = b.reserve(big * num_pages)
-    pt = _core.PageTable(b, [(r, 0)], big, num_pages)
+    pt = core.PageTable(b, [(r, 0)], big, num_pages)
     mapped = 0
     try:
         while mapped < num_pages and pt.map([mapped]):
@@ -188,7 +188,7 @@ def test_page_table_map_returns_false_when_the_device_is_full(b):
 def test_fault_injection_at_every_acquisition(b):
     g = b.granularity
     r = b.reserve(12 * g)
-    pt = _core.PageTable(b, [(r, 0), (r, 4 * g), (r, 8 * g)], g, 4)
+    pt = core.PageTable(b, [(r, 0), (r, 4 * g), (r, 8 * g)], g, 4)
     assert pt.map([3])
     t = r.tensor()
     t[3 * g:4 * g] = 0x11
@@ -240,9 +240,9 @@ def test_bad_input_raises_before_the_driver(b):
     with pytest.raises(MappingError):
         b.create(g // 2)
     with pytest.raises(MappingError):
-        _core.PageTable(b, [(r, 0)], g, 3)
+        core.PageTable(b, [(r, 0)], g, 3)
     with pytest.raises(MappingError):
-        _core.PageTable(b, [(r, 0), (r, 0)], g, 1)
+        core.PageTable(b, [(r, 0), (r, 0)], g, 1)
     assert b.stats() == before
 
 
@@ -256,7 +256,7 @@ def test_zero_page_reads_zeros_real_data_after_map_and_zeros_after_unmap(b):
     b.unmap(r0.address, g)
     b.recycle(h, g)
     r = b.reserve(8 * g)
-    pt = _core.PageTable(b, [(r, 0), (r, 4 * g)], g, 4, zero_page=True)
+    pt = core.PageTable(b, [(r, 0), (r, 4 * g)], g, 4, zero_page=True)
     t = r.tensor()
     assert all_equal(t, 0)
     assert pt.map([1])
@@ -277,12 +277,12 @@ def test_zero_page_write_fails_in_a_child_and_this_process_is_unharmed(b):
     result = run_child(
         """
         import torch
-        from kvcached import _core
+        from kvcached import core
         torch.cuda.init()
-        b = _core.CudaBackend(0)
+        b = core.CudaBackend(0)
         g = b.granularity
         r = b.reserve(2 * g)
-        pt = _core.PageTable(b, [(r, 0)], g, 2, zero_page=True)
+        pt = core.PageTable(b, [(r, 0)], g, 2, zero_page=True)
         t = r.tensor()
         assert int(t[:g].sum().item()) == 0
         print("ok", flush=True)
@@ -311,7 +311,7 @@ def test_memory_is_given_back_after_close_and_release_cached(b):
     r = b.reserve(16 * page)
     torch.cuda.synchronize()
     free0 = b.free_physical_bytes()
-    pt = _core.PageTable(b, [(r, 0)], page, 16)
+    pt = core.PageTable(b, [(r, 0)], page, 16)
     assert pt.map(range(16))
     free1 = b.free_physical_bytes()
     assert free0 - free1 >= 16 * page - page
@@ -340,7 +340,7 @@ def test_random_map_unmap_matches_a_model(b):
     b.set_handle_cache_capacity(3)
     r1, r2 = b.reserve(2 * num_pages * g), b.reserve(num_pages * g)
     segments = [(r1, 0), (r2, 0), (r1, num_pages * g)]
-    pt = _core.PageTable(b, segments, g, num_pages, zero_page=True)
+    pt = core.PageTable(b, segments, g, num_pages, zero_page=True)
     tensors = {id(r1): r1.tensor(), id(r2): r2.tensor()}
     model: dict[int, list[int]] = {}
 

@@ -1,7 +1,7 @@
 """KVCacheManager and the runtime on the CUDA backend (marker `gpu`): the section-7 contract,
 data integrity through the views, and unmaps ordered after the GPU work that used the pages.
 
-Skipped unless kvcached._core.cuda_unavailable_reason() is None and torch sees a device. Default
+Skipped unless kvcached.core.cuda_unavailable_reason() is None and torch sees a device. Default
 2 MiB pages, a modest number of blocks; patterns are written and read with torch on the device.
 """
 
@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from kvcached import _core
+from kvcached import core
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_core.cuda_unavailable_reason() is not None,
-                       reason="CUDA is not usable here (kvcached._core.cuda_unavailable_reason())"),
+    pytest.mark.skipif(core.cuda_unavailable_reason() is not None,
+                       reason="CUDA is not usable here (kvcached.core.cuda_unavailable_reason())"),
 ]
 
 torch = pytest.importorskip("torch")

@@ -1,7 +1,8 @@
 """The package's import graph follows its layers: no cycle, no import pointing up.
 
-The layer order is STYLE.md's: cli -> runtime -> kv_cache_manager -> layout, tp -> _core ->
-_pagealloc -> _pagetable -> _vmm (the compiled core, its .pyx/.pxd/.pxi read for import and cimport lines),
+The layer order: cli -> runtime -> kv_cache_manager -> layout, tp -> core (the facade) ->
+core.blockalloc -> core.pagealloc -> core.pagetable -> core.vmm (the compiled core, its .pyx and .pxd
+read for import and cimport lines),
 with the shared-memory and utility modules below; ops, serving, integration and demo use only the
 public API. Parses the sources (every import statement, those inside functions included), so it
 imports nothing.
@@ -20,11 +21,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcached"
 
 # Bottom first; a module may import its own layer or any below it (cycles are checked apart).
 LAYERS = (
-    {"errors", "sizes", "checks", "config", "_shm", "_steps", "_posix"},
-    {"_vmm"},
-    {"_pagetable"},
-    {"_pagealloc"},
-    {"_core", "mem_info_tracker", "budget"},
+    {"errors", "sizes", "checks", "config", "_shm", "_steps", "core._posix"},
+    {"core.vmm"},
+    {"core.pagetable"},
+    {"core.pagealloc"},
+    {"core.blockalloc"},
+    {"core", "mem_info_tracker", "budget"},         # core: the compiled core's facade
     {"layout", "tp"},                               # tp: the page-table mirror of tensor parallelism
     {"kv_cache_manager"},
     {"runtime"},
@@ -46,7 +48,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-COMPILED = ("_vmm", "_pagetable", "_pagealloc", "_core")       # and _posix.pxd, declarations only
+CORE = PACKAGE / "core"
 # `from kvcached(.x) (c)import a, b`, `from . cimport x`, `(c)import kvcached.x`, `include "f.pxi"`
 _CYTHON_IMPORT = re.compile(r"^[ \t]*(?:from\s+(\.+[\w.]*|kvcached[\w.]*)\s+c?import\s+(\([\w\s,]+\)|[\w \t,]+)"
                             r"|c?import\s+(kvcached[\w.]*)|include\s+\"(\w+\.pxi)\")", re.MULTILINE)
@@ -54,17 +56,16 @@ _CYTHON_IMPORT = re.compile(r"^[ \t]*(?:from\s+(\.+[\w.]*|kvcached[\w.]*)\s+c?im
 
 def modules() -> dict[str, Path]:
     found = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    for name in COMPILED:
-        found[name] = PACKAGE / f"{name}.pyx"
-    found["_posix"] = PACKAGE / "_posix.pxd"
+    for path in CORE.glob("*.pyx"):
+        found[module_name(path)] = path
+    for path in CORE.glob("*.pxd"):                 # declarations only (no .pyx): e.g. _posix.pxd
+        found.setdefault(module_name(path), path)
     return found
 
 
 def cython_sources(path: Path) -> list[Path]:
-    """A compiled module's .pyx, its .pxd contract and the .pxi files it includes."""
-    sources = list(dict.fromkeys([path, path.with_suffix(".pxd")]))
-    sources += [PACKAGE / m[4] for m in _CYTHON_IMPORT.finditer(path.read_text()) if m[4]]
-    return [p for p in sources if p.exists()]
+    """A compiled module's .pyx and its .pxd contract."""
+    return [p for p in dict.fromkeys([path, path.with_suffix(".pxd")]) if p.exists()]
 
 
 def imported(target: str, names: list[str], known: set[str]) -> set[str]:
@@ -77,8 +78,6 @@ def cython_imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     found: set[str] = set()
     for source in cython_sources(path):
         for m in _CYTHON_IMPORT.finditer(source.read_text()):
-            if m[4]:
-                continue
             target = (m[1] or m[3]).removeprefix("kvcached").lstrip(".")
             names = [n.strip() for n in (m[2] or "").strip("()").split(",") if n.strip()]
             found |= imported(target, names or [""], known)
@@ -132,11 +131,19 @@ def test_the_parser_sees_known_edges():
     """The check can fail: it finds imports that exist, relative and absolute, in functions too."""
     edges = graph()
     assert "kv_cache_manager" in edges["runtime"]
-    assert "_core" in edges["kv_cache_manager"]                     # inside a method
+    assert "core" in edges["kv_cache_manager"]                      # inside a method
     assert {"budget", "mem_info_tracker"} <= edges["cli.kvctl"]
     assert "_shm" in edges["budget"]
-    assert {"_vmm", "_pagealloc", "errors"} <= edges["_core"]       # cimports and imports, .pxd too
-    assert "_vmm" in edges["_pagetable"] and "checks" in edges["_pagealloc"]   # the latter in an included .pxi
+    assert {"core.vmm", "core.pagealloc", "errors"} <= edges["core.blockalloc"]   # cimports and imports, .pxd too
+    assert "core.vmm" in edges["core.pagetable"] and "checks" in edges["core.pagealloc"]
+    assert "core.blockalloc" in edges["core"]                       # the facade
+
+
+def test_the_compiled_core_has_no_includes():
+    """Module names match files: no .pxi is included anywhere in the core."""
+    assert not list(CORE.glob("*.pxi"))
+    for path in CORE.glob("*.p*"):
+        assert not any(m[4] for m in _CYTHON_IMPORT.finditer(path.read_text())), f"{path.name} includes a .pxi"
 
 
 def test_no_import_cycle():

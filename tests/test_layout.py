@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvcached._vmm import HostBackend
+from kvcached.core import HostBackend
 from kvcached.errors import KVCachedConfigError
 from kvcached.layout import (
     LAYOUT_NAMES,

@@ -523,7 +523,7 @@ def test_write_kv_triton_on_cuda(kv_layout):
 def test_every_layout_through_kvcached_on_cuda(kv_env, layout, kv_layout):
     """VMM-mapped tensors, zero page off, no pool: the Triton kernels touch only mapped pages (an
     access to an unmapped one is an illegal-address error), and agree with the torch path."""
-    from kvcached._vmm import cuda_unavailable_reason
+    from kvcached.core import cuda_unavailable_reason
 
     if cuda_unavailable_reason() is not None:
         pytest.skip(cuda_unavailable_reason())
@@ -553,7 +553,7 @@ def test_kernels_run_while_the_cache_base_page_is_unmapped(kv_env, layout):
     it one. Blocks on later pages are written and read as usual."""
     from cuda.bindings import driver
 
-    from kvcached._vmm import cuda_unavailable_reason
+    from kvcached.core import cuda_unavailable_reason
 
     if cuda_unavailable_reason() is not None:
         pytest.skip(cuda_unavailable_reason())

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from kvcached._core import PageAllocator
+from kvcached.core import PageAllocator
 from kvcached.errors import KVCachedConfigError, MappingError
 
 from _stacks import GRANULARITY, make_table, state_of

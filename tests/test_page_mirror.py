@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _stacks import GRANULARITY, make_stack, make_table
-from kvcached._core import HostBackend
+from kvcached.core import HostBackend
 from kvcached.errors import KVCachedConfigError, MappingError
 
 

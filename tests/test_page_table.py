@@ -1,5 +1,5 @@
 """PageTable on the host backend: all-or-nothing map with rollback, zero page, validation, and a
-seeded model-based test of map/unmap over several segments (mirrors kvcached/_pagetable.pyx)."""
+seeded model-based test of map/unmap over several segments (mirrors kvcached/core/pagetable.pyx)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcached import _core
+from kvcached import core
 from kvcached.errors import KVCachedConfigError, KVCachedError, MappingError, OutOfDeviceMemory
 
 from _backends import (
@@ -37,7 +37,7 @@ def make_table(backend, num_pages=4, num_segments=3, map_bytes=G, zero_page=Fals
         segments.append((r, k * span))
     if ranges_out is not None:
         ranges_out.extend([first, second])
-    return _core.PageTable(backend, segments, map_bytes, num_pages, zero_page=zero_page)
+    return core.PageTable(backend, segments, map_bytes, num_pages, zero_page=zero_page)
 
 
 # -- map / unmap semantics -------------------------------------------------------------------------
@@ -77,11 +77,11 @@ def test_unmapped_page_faults_in_a_child():
     result = run_child(
         """
         import ctypes
-        from kvcached import _core
+        from kvcached import core
         g = 4096
-        b = _core.HostBackend(granularity=g, capacity_bytes=1 << 20)
+        b = core.HostBackend(granularity=g, capacity_bytes=1 << 20)
         r = b.reserve(8 * g)
-        pt = _core.PageTable(b, [(r, 0), (r, 4 * g)], g, 4)
+        pt = core.PageTable(b, [(r, 0), (r, 4 * g)], g, 4)
         assert pt.map([0, 1, 2])
         pt.unmap([1])
         for p in (0, 2):
@@ -156,11 +156,11 @@ def test_zero_page_is_read_only():
     result = run_child(
         """
         import ctypes
-        from kvcached import _core
+        from kvcached import core
         g = 4096
-        b = _core.HostBackend(granularity=g, capacity_bytes=1 << 20)
+        b = core.HostBackend(granularity=g, capacity_bytes=1 << 20)
         r = b.reserve(4 * g)
-        pt = _core.PageTable(b, [(r, 0)], g, 4, zero_page=True)
+        pt = core.PageTable(b, [(r, 0)], g, 4, zero_page=True)
         assert pt.map([1])
         ctypes.memset(pt.segment_addresses(1)[0], 5, g)         # a mapped page is writable
         assert ctypes.string_at(pt.segment_addresses(2)[0], g) == bytes(g)
@@ -176,11 +176,11 @@ def test_zero_page_is_read_only_again_after_unmap():
     result = run_child(
         """
         import ctypes
-        from kvcached import _core
+        from kvcached import core
         g = 4096
-        b = _core.HostBackend(granularity=g, capacity_bytes=1 << 20)
+        b = core.HostBackend(granularity=g, capacity_bytes=1 << 20)
         r = b.reserve(4 * g)
-        pt = _core.PageTable(b, [(r, 0)], g, 4, zero_page=True)
+        pt = core.PageTable(b, [(r, 0)], g, 4, zero_page=True)
         assert pt.map([1])
         ctypes.memset(pt.segment_addresses(1)[0], 5, g)
         pt.unmap([1])
@@ -267,11 +267,11 @@ def test_fault_injection_with_zero_page_restores_the_zero_page():
     result = run_child(
         """
         import ctypes
-        from kvcached import _core
+        from kvcached import core
         g = 4096
-        b = _core.HostBackend(granularity=g, capacity_bytes=1 << 20)
+        b = core.HostBackend(granularity=g, capacity_bytes=1 << 20)
         r = b.reserve(8 * g)
-        pt = _core.PageTable(b, [(r, 0), (r, 4 * g)], g, 4, zero_page=True)
+        pt = core.PageTable(b, [(r, 0), (r, 4 * g)], g, 4, zero_page=True)
         for after in range(4):
             b.inject_out_of_memory(after)
             assert pt.map([0, 1]) is False
@@ -361,14 +361,14 @@ def test_bad_page_table_arguments_raise_and_allocate_nothing(case):
     segments, map_bytes, num_pages, error = _table_args_cases(b)[case]
     before = b.stats()
     with pytest.raises(error):
-        _core.PageTable(b, segments, map_bytes, num_pages, zero_page=True)
+        core.PageTable(b, segments, map_bytes, num_pages, zero_page=True)
     assert b.stats() == before
 
 
 def test_adjacent_segments_are_accepted():
     b = host_backend()
     r = b.reserve(8 * G)
-    pt = _core.PageTable(b, [(r, 0), (r, 4 * G)], G, 4)
+    pt = core.PageTable(b, [(r, 0), (r, 4 * G)], G, 4)
     assert pt.map([3])
 
 
@@ -389,7 +389,7 @@ def test_freed_range_refuses_map_unmap_and_close():
         pt.close()
     assert live_state(b) == before
     with pytest.raises(MappingError):
-        _core.PageTable(b, [(ranges[1], 0)], G, 1)
+        core.PageTable(b, [(ranges[1], 0)], G, 1)
 
 
 def test_close_empties_the_table_and_a_closed_table_maps_nothing():
@@ -536,15 +536,15 @@ def test_close_racing_with_an_allocator_never_recycles_a_handle_twice():
     two pages would share one allocation). Afterwards the allocator's maps are refused."""
     import threading
 
-    from kvcached._core import PageAllocator
+    from kvcached.core import PageAllocator
 
     from _stacks import GRANULARITY
 
     for _ in range(20):
-        b = _core.HostBackend(GRANULARITY, 64 * GRANULARITY)
+        b = core.HostBackend(GRANULARITY, 64 * GRANULARITY)
         b.set_handle_cache_capacity(0)              # every recycle is a release: twice would show
         ranges = [b.reserve(16 * GRANULARITY) for _ in range(3)]
-        pt = _core.PageTable(b, [(r, 0) for r in ranges], GRANULARITY, 16)
+        pt = core.PageTable(b, [(r, 0) for r in ranges], GRANULARITY, 16)
         pages = PageAllocator(pt, min_reserved=0, max_reserved=0, idle_trim_s=0)
         started, errors = threading.Event(), []
         t = threading.Thread(target=_churn_until_closed, args=(pages, started, errors))

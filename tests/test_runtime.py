@@ -8,7 +8,7 @@ import torch
 
 from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached, shutdown_kvcached
 from kvcached import runtime as rt_mod
-from kvcached._vmm import cuda_unavailable_reason
+from kvcached.core import cuda_unavailable_reason
 from kvcached.errors import KVCachedConfigError
 from kvcached.runtime import get_kv_cache_manager
 

@@ -22,7 +22,7 @@ from _procs import unique_name
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvcached import _core, init_kvcached, shutdown_kvcached
+from kvcached import core, init_kvcached, shutdown_kvcached
 from kvcached.budget import Budget, delete_budget, read_budget, set_budget
 from kvcached.errors import KVCachedError
 from kvcached.serving import (
@@ -327,7 +327,7 @@ def test_bench_serve_quick_runs():
 # -- GPU: bf16, kvcached against the same loop over a static cache ------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_core.cuda_unavailable_reason() is not None or not torch.cuda.is_available(),
+@pytest.mark.skipif(core.cuda_unavailable_reason() is not None or not torch.cuda.is_available(),
                     reason="CUDA is not usable here")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_bf16_elastic_matches_static(kv_env, family):

@@ -72,15 +72,15 @@ class Ranks:
 
 
 def _two_gpus() -> bool:
-    from kvcached import _core
+    from kvcached import core
 
-    return _core.cuda_unavailable_reason() is None and _core.cuda_device_count() >= 2
+    return core.cuda_unavailable_reason() is None and core.cuda_device_count() >= 2
 
 
 def _one_gpu() -> bool:
-    from kvcached import _core
+    from kvcached import core
 
-    return _core.cuda_unavailable_reason() is None and _core.cuda_device_count() >= 1
+    return core.cuda_unavailable_reason() is None and core.cuda_device_count() >= 1
 
 
 LAYOUTS = ["per_layer", "interleaved"]

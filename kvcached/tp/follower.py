@@ -39,8 +39,7 @@ from .channel import (
 )
 
 if TYPE_CHECKING:
-    from .._pagetable import PageTable
-    from .._vmm import Backend
+    from ..core import Backend, PageTable
 
 logger = logging.getLogger("kvcached")
 

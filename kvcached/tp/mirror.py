@@ -207,7 +207,7 @@ class Leader:
 
 class TableMirror:
     """The PageMirror of one page table on the scheduling rank (Note [Mirrored page table] in
-    _pagetable.pyx): maps and unmaps its page ids on every peer, all or nothing."""
+    core/pagetable.pyx): maps and unmaps its page ids on every peer, all or nothing."""
 
     def __init__(self, leader: Leader, table_id: int) -> None:
         self.leader = leader

@@ -1,10 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
-"""kvcached._pagetable: what one page id maps, through a backend of kvcached._vmm.
+"""kvcached.core.pagetable: what one page id maps, through a backend of kvcached.core.vmm.
 
 PageTable maps every segment of a page id all-or-nothing, with rollback (Note [Page table]), an
 optional shared read-only zero page, failed unmaps kept rather than lost (Note [Failed unmap] in
-_core), and an optional mirror on peer ranks (Note [Mirrored page table]). The C contract is
-_pagetable.pxd; it cimports only _vmm, and _core cimports it.
+pagealloc), and an optional mirror on peer ranks (Note [Mirrored page table]). The C contract is
+pagetable.pxd; it cimports only vmm; pagealloc and blockalloc cimport it.
 """
 
 from libc.stdint cimport int32_t, uint64_t, uintptr_t
@@ -12,8 +12,8 @@ from libc.stdlib cimport calloc, free, malloc
 
 from cuda.bindings cimport cydriver
 
-from kvcached._posix cimport _now, getpid, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock
-from kvcached._vmm cimport (
+from kvcached.core._posix cimport _now, getpid, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock
+from kvcached.core.vmm cimport (
     _OOM, _TOKEN_CLOSED, Backend, CudaBackend, VirtualRange, _fork_generation, _lifecycle_name, _live_token,
     _raise_if_oom, _raise_unusable, check,
 )

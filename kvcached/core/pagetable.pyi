@@ -1,11 +1,11 @@
-"""Types of the Python-visible surface of kvcached._pagetable (Cython): the page table.
+"""Types of the Python-visible surface of kvcached.core.pagetable (Cython): the page table.
 
 Only ``def`` methods, properties and ``readonly``/``public`` attributes are here: ``cdef`` methods
 are invisible to Python. Every class is a C extension type with its own fields (@disjoint_base:
 no class may inherit from two of them). Units: every ``*_bytes`` value, address and handle size is in bytes;
 addresses, handles, fences and streams are plain ints. Out of memory is a value (None or False),
 never an exception, except where a docstring says ``Raises OutOfDeviceMemory``.
-Keep in step with _pagetable.pxd (C interface) and _pagetable.pyx (behaviour).
+Keep in step with pagetable.pxd (C interface) and pagetable.pyx (behaviour).
 """
 
 from collections.abc import Sequence
@@ -15,7 +15,7 @@ import numpy as np
 from numpy.typing import NDArray
 from typing_extensions import TypeAlias, disjoint_base
 
-from kvcached._vmm import Backend, VirtualRange, _Lifecycle
+from kvcached.core.vmm import Backend, VirtualRange, _Lifecycle
 
 _PageIds: TypeAlias = Sequence[int] | NDArray[np.integer[Any]]
 """Page ids: a list/tuple/range of int, or an integer numpy array."""

@@ -1,3 +1,36 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
+"""kvcached.core.blockalloc: block ids over whole pages, the hot path's top layer.
+
+BlockAllocator: free slots per page, best fit, a per-block allocated bit. It stands on
+kvcached.core.pagealloc (PageAllocator: free page ids, reserved pool, deferred unmap, limits; its
+RefillPolicy) over kvcached.core.pagetable (PageTable: what one page id maps, all-or-nothing) over
+kvcached.core.vmm (checked driver calls, the backends and their handle cache). Calls into them are
+vtable calls through those .pxd contracts; nothing here touches their locks.
+
+Glossary: range = virtual reservation; page = physical mapping unit (one page id backs one
+mapping per segment); block = KV slot; pool = mapped but unused pages.
+
+Every cdef function says how it fails: ``except -1`` raises (driver and syscall errors), and out of
+memory is the value ``_OOM`` (1), never an exception, so callers can roll back and return None.
+"""
+
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.stdlib cimport calloc, free, malloc
+from libc.string cimport memcpy, memset
+from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
+
+from kvcached.core._posix cimport (
+    getpid, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_trylock,
+    pthread_mutex_unlock,
+)
+from kvcached.core.vmm cimport _OOM, _TOKEN_CLOSED, _fork_generation, _lifecycle_name, _live_token, _raise_unusable
+from kvcached.core cimport pagealloc
+from kvcached.core.pagealloc cimport _NEED_SLOW, _PS_USED, _max_new_pages
+
+from kvcached.errors import BlockStateError, KVCachedConfigError, MappingError
+
+
+
 # BlockAllocator: free slots per page, best fit, a per-block allocated bit. See Note [Block
 # placement], Note [Allocator locks], Note [try_to_reserve], Note [Block id objects],
 # Note [Bookkeeping memory], Note [Counts and ids past int32].
@@ -165,7 +198,7 @@ cdef class BlockAllocator:
         self.live_token = _live_token()
         self.creator_pid = getpid()
 
-    def __init__(self, _pagealloc.PageAllocator pages not None, page_first_block, page_num_blocks, int64_t id_to_page_num,
+    def __init__(self, pagealloc.PageAllocator pages not None, page_first_block, page_num_blocks, int64_t id_to_page_num,
                  int64_t id_to_page_den, int64_t max_block_id):
         """pages: a fresh PageAllocator (no page taken yet; the weights are bound here);
         page_first_block, page_num_blocks: one entry per page id of its table; block b lies in
@@ -284,7 +317,7 @@ cdef class BlockAllocator:
             pages._bind_weights(&w[0])
 
     @classmethod
-    def dense(cls, _pagealloc.PageAllocator pages not None, int64_t block_bytes, page_bytes=None, max_block_id=None):
+    def dense(cls, pagealloc.PageAllocator pages not None, int64_t block_bytes, page_bytes=None, max_block_id=None):
         """Dense ids: block b covers bytes [b * block_bytes, (b + 1) * block_bytes) of each buffer
         and page p the bytes [p * page_bytes, (p + 1) * page_bytes) (default: the table's
         map_bytes, i.e. one segment); blocks straddling two pages are never handed out.
@@ -302,7 +335,7 @@ cdef class BlockAllocator:
         return cls(pages, np.where(count > 0, first, 0), count, block_bytes, pb, top)
 
     @classmethod
-    def sparse(cls, _pagealloc.PageAllocator pages not None, int ids_per_page, int blocks_per_page):
+    def sparse(cls, pagealloc.PageAllocator pages not None, int ids_per_page, int blocks_per_page):
         """Sparse page-grouped ids: page p holds [p * ids_per_page, p * ids_per_page +
         blocks_per_page)."""
         import numpy as np

@@ -1,4 +1,4 @@
-# The POSIX declarations of the compiled core, declared once for _vmm, _pagetable and _core.
+# The POSIX declarations of the compiled core, declared once for every module of kvcached.core.
 # Declarations only (no module is built from this file), plus the one monotonic clock helper.
 
 cdef extern from "<pthread.h>" nogil:

@@ -1,16 +1,16 @@
-# The C-level contract of kvcached._core, the hot path's top: BlockAllocator (free slots per
-# page, best fit, a per-block allocated bit) over _pagealloc's PageAllocator.
+# The C-level contract of kvcached.core.blockalloc, the hot path's top: BlockAllocator (free slots per
+# page, best fit, a per-block allocated bit) over pagealloc's PageAllocator.
 # Every field commented, every cdef's failure mode stated: `except -1` raises; out of memory is
-# the value _OOM (1, from _vmm), never an exception; `noexcept` is bookkeeping only (never a
-# driver call). It cimports _pagealloc, _pagetable and _vmm, and nothing cimports it.
+# the value _OOM (1, from vmm), never an exception; `noexcept` is bookkeeping only (never a
+# driver call). It cimports pagealloc (and through it pagetable and vmm); nothing cimports it.
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 from cpython.ref cimport PyObject
 
-from kvcached._posix cimport pthread_mutex_t
-from kvcached cimport _pagealloc
+from kvcached.core._posix cimport pthread_mutex_t
+from kvcached.core cimport pagealloc
 
-# Lock order: see _pagealloc.pxd (BlockAllocator.lock comes first).
+# Lock order: see pagealloc.pxd (BlockAllocator.lock comes first).
 
 cdef enum:
     _BAD_ID = 3         # BlockAllocator._free_locked: an id is unknown / not allocated / repeated
@@ -27,7 +27,7 @@ cdef enum:
 cdef class BlockAllocator:
     cdef uint64_t live_token                    # Note [Fork and close]; _TOKEN_CLOSED after close()
     cdef int creator_pid                        # process that made it (a forked child touches nothing)
-    cdef readonly _pagealloc.PageAllocator pages           # hands out and takes back whole pages
+    cdef readonly pagealloc.PageAllocator pages           # hands out and takes back whole pages
     cdef pthread_mutex_t lock                   # guards everything below; see Note [Allocator locks]
     cdef readonly int num_pages                 # the page table's page ids
     cdef readonly int32_t max_block_id          # ids are < max_block_id

@@ -1,11 +1,11 @@
-"""Types of the Python-visible surface of kvcached._vmm (Cython): backends, virtual ranges.
+"""Types of the Python-visible surface of kvcached.core.vmm (Cython): backends, virtual ranges.
 
 Only ``def`` methods, properties and ``readonly``/``public`` attributes are here: ``cdef`` methods
 are invisible to Python. Every class is a C extension type with its own fields (@disjoint_base:
 no class may inherit from two of them). Units: every ``*_bytes`` value, address and handle size is in bytes;
 addresses, handles, fences and streams are plain ints. Out of memory is a value (None or False),
 never an exception, except where a docstring says ``Raises OutOfDeviceMemory``.
-Keep in step with _vmm.pxd (C interface) and _vmm.pyx (behaviour).
+Keep in step with vmm.pxd (C interface) and vmm.pyx (behaviour).
 """
 
 from typing import TYPE_CHECKING, Final, Literal, SupportsIndex, TypedDict

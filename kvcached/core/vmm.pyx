@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
-"""kvcached._vmm: the lowest layer of the compiled core, over the CUDA driver or host memory.
+"""kvcached.core.vmm: the lowest layer of the compiled core, over the CUDA driver or host memory.
 
 Checked driver and syscall calls, the one-time driver probe, the process lifecycle every object
 of the core follows (Note [Fork and close]), the backends — Backend (reserve / create / map / set
@@ -7,7 +7,7 @@ access / unmap / release / fences), CudaBackend over cydriver, HostBackend over 
 memfd — with the bounded cache of released physical handles as one policy in one class
 (Note [Handle cache]), and VirtualRange, a reservation exported to torch through DLPack.
 
-The C contract is _vmm.pxd; _pagetable and _core cimport it. Nothing here imports them.
+The C contract is vmm.pxd; every other module of the core cimports it. Nothing here imports them.
 """
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
@@ -18,7 +18,7 @@ from cpython.ref cimport Py_DECREF, Py_INCREF
 
 from cuda.bindings cimport cydriver
 
-from kvcached._posix cimport (
+from kvcached.core._posix cimport (
     EIO, ENOMEM, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE, MAP_ANONYMOUS, MAP_FAILED, MAP_FIXED,
     MAP_NORESERVE, MAP_PRIVATE, MAP_SHARED, MFD_CLOEXEC, PROT_NONE, PROT_READ, PROT_WRITE, close, errno,
     fallocate, ftruncate, getpid, memfd_create, mmap, mprotect, munmap, pthread_atfork, pthread_mutex_destroy,
@@ -113,7 +113,7 @@ def cuda_device_count():
 
 # -- process lifecycle: live, closed, or inherited by a forked child. See Note [Fork and close]. --
 
-_fork_generation = 0                      # declared in _vmm.pxd: the other modules read it
+_fork_generation = 0                      # declared in vmm.pxd: the other modules read it
 _TOKEN_CLOSED = ~(<uint64_t>0)
 
 

@@ -1,4 +1,4 @@
-# The C-level contract of kvcached._vmm, the lowest layer: checked driver and syscall calls, the
+# The C-level contract of kvcached.core.vmm, the lowest layer: checked driver and syscall calls, the
 # process lifecycle (fork and close), the backends (Backend, CudaBackend, HostBackend) with their
 # one handle cache, and VirtualRange (a reservation and its DLPack export). Every field commented,
 # every cdef's failure mode stated: `except -1` raises; out of memory is the value _OOM (1), never
@@ -8,7 +8,7 @@
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from cuda.bindings cimport cydriver
 
-from kvcached._posix cimport pthread_mutex_t
+from kvcached.core._posix cimport pthread_mutex_t
 
 cdef enum:
     _OOM = 1                # the value, never an exception, that means "out of physical memory"

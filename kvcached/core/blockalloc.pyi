@@ -1,13 +1,11 @@
-"""Types of the Python-visible surface of kvcached._core (Cython): BlockAllocator.
+"""Types of the Python-visible surface of kvcached.core.blockalloc (Cython): BlockAllocator.
 
 Only ``def`` methods, properties and ``readonly``/``public`` attributes are here: ``cdef`` methods
 are invisible to Python. Every class is a C extension type with its own fields (@disjoint_base:
 no class may inherit from two of them). Units: every ``*_bytes`` value, address and handle size is in bytes;
 addresses, handles, fences and streams are plain ints. Out of memory is a value (None or False),
 never an exception, except where a docstring says ``Raises OutOfDeviceMemory``.
-Keep in step with _core.pxd (C interface) and _block_allocator.pxi (behaviour). The names of the
-layers below are re-exported by _core at run time; their types live in _vmm.pyi, _pagetable.pyi
-and _pagealloc.pyi.
+Keep in step with blockalloc.pxd (C interface) and blockalloc.pyx (behaviour).
 """
 
 from collections.abc import Iterable, Sequence
@@ -17,19 +15,8 @@ import numpy as np
 from numpy.typing import NDArray
 from typing_extensions import Buffer, Self, TypeAlias, disjoint_base
 
-from kvcached._pagealloc import PageAllocator as PageAllocator
-from kvcached._pagealloc import RefillPolicy as RefillPolicy
-from kvcached._pagealloc import _PageAllocatorStats
-from kvcached._pagetable import PageTable as PageTable
-from kvcached._vmm import DEFAULT_HANDLE_CACHE_SIZE as DEFAULT_HANDLE_CACHE_SIZE
-from kvcached._vmm import Backend as Backend
-from kvcached._vmm import CudaBackend as CudaBackend
-from kvcached._vmm import HostBackend as HostBackend
-from kvcached._vmm import VirtualRange as VirtualRange
-from kvcached._vmm import _Lifecycle
-from kvcached._vmm import cuda_device_count as cuda_device_count
-from kvcached._vmm import cuda_unavailable_reason as cuda_unavailable_reason
-from kvcached._vmm import fork_generation as fork_generation
+from kvcached.core.pagealloc import PageAllocator, _PageAllocatorStats
+from kvcached.core.vmm import _Lifecycle
 
 # -- argument and result shapes (stub-only names) ------------------------------------------------
 

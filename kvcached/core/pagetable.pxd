@@ -1,11 +1,11 @@
-# The C-level contract of kvcached._pagetable: what one page id maps, through a backend of _vmm.
+# The C-level contract of kvcached.core.pagetable: what one page id maps, through a backend of vmm.
 # Every field commented, every cdef's failure mode stated: `except -1` raises; out of memory is
-# the value _OOM (1), never an exception; `noexcept` is bookkeeping only. _core cimports this file.
+# the value _OOM (1), never an exception; `noexcept` is bookkeeping only. pagealloc and blockalloc cimport this file.
 
 from libc.stdint cimport int32_t, uint8_t, uint64_t, uintptr_t
 
-from kvcached._posix cimport pthread_mutex_t
-from kvcached._vmm cimport Backend
+from kvcached.core._posix cimport pthread_mutex_t
+from kvcached.core.vmm cimport Backend
 
 cdef class PageTable:
     # Lock rule: `lock` serialises map_pages, unmap_pages, set_mirror and close; it is only ever

@@ -1,11 +1,11 @@
-"""Types of the Python-visible surface of kvcached._pagealloc (Cython): PageAllocator and RefillPolicy.
+"""Types of the Python-visible surface of kvcached.core.pagealloc (Cython): PageAllocator and RefillPolicy.
 
 Only ``def`` methods, properties and ``readonly``/``public`` attributes are here: ``cdef`` methods
 are invisible to Python. Every class is a C extension type with its own fields (@disjoint_base:
 no class may inherit from two of them). Units: every ``*_bytes`` value is in bytes; fences and
 streams are plain ints. Out of memory is a value (None or False), never an exception, except
 where a docstring says ``Raises OutOfDeviceMemory``.
-Keep in step with _pagealloc.pxd (C interface) and _page_allocator.pxi / _refill.pxi (behaviour).
+Keep in step with pagealloc.pxd (C interface) and pagealloc.pyx (behaviour).
 """
 
 from collections.abc import Callable
@@ -15,8 +15,8 @@ import numpy as np
 from numpy.typing import NDArray
 from typing_extensions import disjoint_base
 
-from kvcached._pagetable import PageTable, _PageIds
-from kvcached._vmm import Backend, _Lifecycle
+from kvcached.core.pagetable import PageTable, _PageIds
+from kvcached.core.vmm import Backend, _Lifecycle
 
 class _PageAllocatorStats(TypedDict):
     """PageAllocator.stats(): page counts (in page ids), byte figures and cumulative counters."""
@@ -151,7 +151,7 @@ class RefillPolicy:
     """A PageAllocator's refill policy: its background thread, refill target, idle trim, budget gate.
 
     Made by its PageAllocator and used only through it (start, stop, set_idle_trim,
-    set_pool_bounds, set_budget_gate, stats); see Note [Refill policy] in _refill.pxi."""
+    set_pool_bounds, set_budget_gate, stats); see Note [Refill policy] in pagealloc.pyx."""
 
     def _run(self, pa: PageAllocator) -> None:
         """The background thread's loop for `pa` (the Thread's target); returns once stopped."""

@@ -1,16 +1,16 @@
-# The C-level contract of kvcached._pagealloc: PageAllocator (free set, reserved pool, deferred
+# The C-level contract of kvcached.core.pagealloc: PageAllocator (free set, reserved pool, deferred
 # unmap, limits) and RefillPolicy (its background thread, refill target, idle trim, budget gate).
 # Every field commented, every cdef's failure mode stated: `except -1` raises; out of memory is
-# the value _OOM (1, from _vmm), never an exception; `noexcept` is bookkeeping only (never a
-# driver call). It cimports _pagetable and _vmm; only _core cimports it.
+# the value _OOM (1, from vmm), never an exception; `noexcept` is bookkeeping only (never a
+# driver call). It cimports pagetable and vmm; only blockalloc cimports it.
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
 
-from kvcached._posix cimport pthread_cond_t, pthread_mutex_t
-from kvcached cimport _pagetable
-from kvcached cimport _vmm
+from kvcached.core._posix cimport pthread_cond_t, pthread_mutex_t
+from kvcached.core cimport pagetable
+from kvcached.core cimport vmm
 
-# Lock order (see Note [Allocator locks] in _block_allocator.pxi): BlockAllocator.lock ->
+# Lock order (see Note [Allocator locks] in blockalloc.pyx): BlockAllocator.lock ->
 # PageAllocator.map_lock -> PageAllocator.lock -> Backend._lock. Nothing is waited on in the
 # other direction. RefillPolicy has no lock: its fields are guarded by its allocator's `lock`.
 
@@ -70,8 +70,8 @@ cdef class RefillPolicy:
 cdef class PageAllocator:
     cdef uint64_t live_token                    # Note [Fork and close]; _TOKEN_CLOSED after close()
     cdef int creator_pid                        # process that made it (a forked child touches nothing)
-    cdef readonly _pagetable.PageTable table    # maps and unmaps the page ids handed out
-    cdef readonly _vmm.Backend backend          # the table's backend (fences, physical figures, handle cache)
+    cdef readonly pagetable.PageTable table    # maps and unmaps the page ids handed out
+    cdef readonly vmm.Backend backend          # the table's backend (fences, physical figures, handle cache)
     cdef pthread_mutex_t lock                   # state lock: everything below; never held across a driver or Python call
     cdef pthread_mutex_t map_lock               # serialises page-table calls (map/unmap); waited on only without the GIL
     cdef RefillPolicy policy                    # its refill policy: made in __cinit__, never None (Note [Refill policy])

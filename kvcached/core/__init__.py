@@ -1,0 +1,43 @@
+"""kvcached.core: the compiled hot path, one extension module per layer, bottom up.
+
+    vmm         checked driver and syscall calls; Backend, CudaBackend, HostBackend; the handle
+                cache; the process lifecycle (fork and close)
+    pagetable   VirtualRange (a reservation, exported to torch through DLPack); PageTable (what
+                one page id maps, all or nothing, with rollback)
+    pagealloc   PageAllocator (free set, reserved pool, pending ring of fences, limits) and its
+                RefillPolicy (background refill, idle trim, budget gate)
+    blockalloc  BlockAllocator (block ids over whole pages: best fit, per-block state)
+
+Each module's ``.pxd`` is its C contract and cimports only the modules above it in this list;
+its ``.pyi`` types its Python surface. This package re-exports the Python names, so that code
+above the core writes ``from kvcached.core import BlockAllocator``.
+"""
+
+from kvcached.core.blockalloc import BlockAllocator
+from kvcached.core.pagealloc import PageAllocator, RefillPolicy
+from kvcached.core.pagetable import PageTable
+from kvcached.core.vmm import (
+    DEFAULT_HANDLE_CACHE_SIZE,
+    Backend,
+    CudaBackend,
+    HostBackend,
+    VirtualRange,
+    cuda_device_count,
+    cuda_unavailable_reason,
+    fork_generation,
+)
+
+__all__ = [
+    "DEFAULT_HANDLE_CACHE_SIZE",
+    "Backend",
+    "BlockAllocator",
+    "CudaBackend",
+    "HostBackend",
+    "PageAllocator",
+    "PageTable",
+    "RefillPolicy",
+    "VirtualRange",
+    "cuda_device_count",
+    "cuda_unavailable_reason",
+    "fork_generation",
+]
