@@ -8,7 +8,7 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
 from cpython.ref cimport PyObject
 
 from kvcached.core._posix cimport pthread_mutex_t
-from kvcached.core cimport pagealloc
+from kvcached.core cimport pagealloc, vmm
 
 # Lock order: see pagealloc.pxd (BlockAllocator.lock comes first).
 
@@ -25,8 +25,7 @@ cdef enum:
 
 
 cdef class BlockAllocator:
-    cdef uint64_t live_token                    # Note [Fork and close]; _TOKEN_CLOSED after close()
-    cdef int creator_pid                        # process that made it (a forked child touches nothing)
+    cdef vmm.Lifecycle life                     # live / closed / forked: Note [Fork and close]
     cdef readonly pagealloc.PageAllocator pages           # hands out and takes back whole pages
     cdef pthread_mutex_t lock                   # guards everything below; see Note [Allocator locks]
     cdef readonly int num_pages                 # the page table's page ids
@@ -73,7 +72,7 @@ cdef class BlockAllocator:
     cdef int _bucket_highest(self) noexcept nogil                                   # highest non-empty bucket; -1 none
     cdef int _take_from(self, int32_t page_id, int k, int32_t* out) noexcept nogil  # k ids off a page's stack
     cdef int _lock(self) except -1                                                   # 0; GIL held, waits without it
-    cdef int _raise_unusable(self) except -1                                         # always raises KVCachedClosedError
+    cdef int _check_live(self) except -1                                             # 0, or raises KVCachedClosedError (closed / forked)
     cdef int _check_not_forked(self) except -1                                       # 0, or raises KVCachedClosedError
     cdef int _clear_locked(self) except -1                                           # 0, or raises MemoryError (nothing freed)
     cdef int _run_alloc(self, int n, int32_t* out, bint use_held, bint hold=*) except -1   # 0 / _OOM, or raises; GIL held

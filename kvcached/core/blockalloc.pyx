@@ -20,10 +20,13 @@ from libc.string cimport memcpy, memset
 from cpython.ref cimport Py_INCREF, Py_XDECREF, PyObject
 
 from kvcached.core._posix cimport (
-    getpid, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_trylock,
+    pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_trylock,
     pthread_mutex_unlock,
 )
-from kvcached.core.vmm cimport _OOM, _TOKEN_CLOSED, _fork_generation, _lifecycle_name, _live_token, _raise_unusable
+from kvcached.core.vmm cimport (
+    _OOM, lifecycle_check, lifecycle_check_owned, lifecycle_close, lifecycle_init, lifecycle_live, lifecycle_name,
+    lifecycle_owned,
+)
 from kvcached.core cimport pagealloc
 from kvcached.core.pagealloc cimport _NEED_SLOW, _PS_USED, _max_new_pages
 
@@ -195,8 +198,7 @@ cdef class BlockAllocator:
 
     def __cinit__(self, *args, **kwargs):
         pthread_mutex_init(&self.lock, NULL)
-        self.live_token = _live_token()
-        self.creator_pid = getpid()
+        lifecycle_init(&self.life)
 
     def __init__(self, pagealloc.PageAllocator pages not None, page_first_block, page_num_blocks, int64_t id_to_page_num,
                  int64_t id_to_page_den, int64_t max_block_id):
@@ -372,21 +374,22 @@ cdef class BlockAllocator:
         free(self.bucket_bits)
         free(self.held)
         free(self.page_buf)
-        if getpid() == self.creator_pid:      # in a forked child the lock may be held by a lost thread
+        if lifecycle_owned(&self.life):       # in a forked child the lock may be held by a lost thread
             pthread_mutex_destroy(&self.lock)
 
-    cdef int _raise_unusable(self) except -1:
-        if self.live_token == _TOKEN_CLOSED and getpid() != self.creator_pid:
-            _raise_unusable("kvcached allocator (BlockAllocator)", 0, self.creator_pid, "")
-        return _raise_unusable(
-            "kvcached allocator (BlockAllocator)", self.live_token, self.creator_pid,
-            "its manager was closed or kvcached shut down: nothing can be allocated or freed through it; "
-            "make a new manager (get_kv_cache_manager or KVCacheManager).")
+    cdef int _check_live(self) except -1:
+        """0 while live; raises KVCachedClosedError once closed or in a forked child."""
+        if lifecycle_live(&self.life):
+            return 0
+        return lifecycle_check(
+            &self.life, b"kvcached allocator (BlockAllocator)",
+            b"its manager was closed or kvcached shut down: nothing can be allocated or freed through it; "
+            b"make a new manager (get_kv_cache_manager or KVCacheManager).")
 
     @property
     def lifecycle(self) -> str:
         """"live", "closed" (close() was called) or "forked" (inherited by a forked child)."""
-        return _lifecycle_name(self.live_token)
+        return lifecycle_name(&self.life)
 
     def close(self):
         """Free every allocated and held block, then close the page allocator (stop its thread,
@@ -395,13 +398,13 @@ cdef class BlockAllocator:
         nothing in a forked child (Note [Fork and close]). Raises the first failure of the
         teardown, the allocator closed all the same. Holds the lock throughout, so a call racing
         with close() either finishes before it or sees the allocator closed."""
-        if self.live_token != _fork_generation:
+        if not lifecycle_live(&self.life):
             return
         self._lock()
         try:
-            if self.live_token != _fork_generation:
+            if not lifecycle_live(&self.life):
                 return
-            self.live_token = _TOKEN_CLOSED
+            lifecycle_close(&self.life)
             try:
                 self._clear_locked()
             finally:
@@ -610,9 +613,7 @@ cdef class BlockAllocator:
     # -- lock helpers (Note [Allocator locks]) -------------------------------------------------
     cdef int _check_not_forked(self) except -1:
         # read-only surfaces (stats, checks) still answer on a closed allocator, never in a child
-        if self.live_token != _fork_generation and (self.live_token != _TOKEN_CLOSED or getpid() != self.creator_pid):
-            self._raise_unusable()
-        return 0
+        return lifecycle_check_owned(&self.life, b"kvcached allocator (BlockAllocator)")
 
     cdef int _lock(self) except -1:
         # uncontended: take it without dropping the GIL; else wait with the GIL released
@@ -671,10 +672,10 @@ cdef class BlockAllocator:
                     if rc == 0 and hold:
                         self._hold(n, out)
                     return rc
-                if self.live_token != _fork_generation:           # closed while we mapped
+                if not lifecycle_live(&self.life):                # closed while we mapped
                     with nogil:
                         self.pages._discard_used(np_new, fresh)
-                    self._raise_unusable()
+                    self._check_live()
                 r = n - (min(<int64_t>n, self.num_held) if use_held else 0)
                 fresh_blocks = 0
                 for j in range(np_new):
@@ -731,8 +732,8 @@ cdef class BlockAllocator:
                 self._return_pages(ne)
         finally:
             pthread_mutex_unlock(&self.lock)
-        if rc == _BAD_ID and self.live_token != _fork_generation:
-            self._raise_unusable()           # closed while this call waited for the lock
+        if rc == _BAD_ID:
+            self._check_live()               # closed while this call waited for the lock
         if rc == _BAD_ID:
             why = ("is not a block id of this allocator (out of range, or straddling two pages)",
                    "is not allocated (never allocated, already freed, or held by try_to_reserve)",
@@ -752,8 +753,7 @@ cdef class BlockAllocator:
         cdef int32_t* out = stack_ids
         cdef int rc, i
         cdef long long count
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         count = self._checked_count(n, "alloc")
         if count <= 0:
             return [] if count == 0 else None
@@ -781,8 +781,7 @@ cdef class BlockAllocator:
     def alloc_into(self, buf) -> bool:
         """Fill a caller's contiguous int32 buffer (numpy array, CPU tensor, array.array) with
         len(buf) distinct ids: True, or False with nothing changed (buffer contents undefined)."""
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         cdef int32_t[::1] view = _int32_view_source(buf)
         cdef int n = <int>view.shape[0]
         if n == 0:
@@ -796,8 +795,7 @@ cdef class BlockAllocator:
         cdef int32_t stack_ids[_STACK_IDS]
         cdef int32_t* buf = stack_ids
         cdef Py_ssize_t n, i
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         if not isinstance(ids, list):
             ids = list(ids)
         n = PyList_GET_SIZE(ids)
@@ -822,8 +820,7 @@ cdef class BlockAllocator:
 
     def free_from(self, buf):
         """free() for a contiguous int32 buffer (numpy array, CPU tensor), without Python ints."""
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         cdef const int32_t[::1] view = _int32_view_source(buf)
         if view.shape[0]:
             self._run_free(<int>view.shape[0], &view[0])
@@ -838,8 +835,7 @@ cdef class BlockAllocator:
         host backend; on CUDA, pages whose unmap is pending are not counted). O(log pages).
         Raises KVCachedConfigError for a max_new_pages below -1 or not an integer."""
         cdef int64_t total, cap = -1
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         if max_new_pages is not -1:
             cap = _max_new_pages(max_new_pages)
         self._lock()
@@ -855,8 +851,7 @@ cdef class BlockAllocator:
         cdef int32_t* out
         cdef int rc, i
         cdef long long count
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         count = self._checked_count(n, "try_to_reserve")
         if count <= 0:
             return count == 0
@@ -890,8 +885,7 @@ cdef class BlockAllocator:
         cdef int64_t i, n
         cdef int ne = 0
         cdef int64_t bad[2]
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         self._lock()
         try:
             n = self.num_held
@@ -908,8 +902,7 @@ cdef class BlockAllocator:
 
     def clear(self):
         """Free every allocated and held block. O(blocks of owned pages)."""
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         self._lock()
         try:
             self._clear_locked()
@@ -945,8 +938,7 @@ cdef class BlockAllocator:
     def resize(self, int num_pages) -> bool:
         """PageAllocator.resize under this allocator's lock: False (nothing changed) when pages
         holding live or held blocks lie at or above num_pages."""
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         self._lock()
         try:
             return self.pages.resize(num_pages)
@@ -955,8 +947,7 @@ cdef class BlockAllocator:
 
     def trim(self):
         """Unmap the page allocator's pool and release cached handles."""
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         self.pages.trim()
 
     @property
@@ -966,8 +957,7 @@ cdef class BlockAllocator:
     def page_occupancy(self, page_ids=None) -> dict:
         """{page_id: (live blocks incl. held, blocks the page holds)} for owned pages (or the
         given ones)."""
-        if self.live_token != _fork_generation:
-            self._raise_unusable()
+        self._check_live()
         result = {}
         self._lock()
         try:

@@ -32,7 +32,7 @@ cdef class PageAllocator
 cdef class RefillPolicy:
     # When the pool is refilled and trimmed; owned by one PageAllocator, which every method gets
     # as `pa` (no reference back: Note [Refill policy]). Fields guarded by pa.lock unless noted.
-    cdef int creator_pid                        # process that made it (a forked child destroys nothing)
+    cdef vmm.Lifecycle life                     # made here or inherited by a forked child (never closed)
     cdef pthread_cond_t wake                    # the background thread sleeps on it (with pa.lock)
     cdef pthread_cond_t pool_cv                 # broadcast when a refill round pools a page or ends (with pa.lock)
     cdef int min_reserved                       # the pool's floor: a round aims at least this high
@@ -68,8 +68,7 @@ cdef class RefillPolicy:
 
 
 cdef class PageAllocator:
-    cdef uint64_t live_token                    # Note [Fork and close]; _TOKEN_CLOSED after close()
-    cdef int creator_pid                        # process that made it (a forked child touches nothing)
+    cdef vmm.Lifecycle life                     # live / closed / forked: Note [Fork and close]
     cdef readonly pagetable.PageTable table    # maps and unmaps the page ids handed out
     cdef readonly vmm.Backend backend          # the table's backend (fences, physical figures, handle cache)
     cdef pthread_mutex_t lock                   # state lock: everything below; never held across a driver or Python call

@@ -19,12 +19,15 @@ from libc.stdlib cimport calloc, free, malloc
 from libc.string cimport memcpy
 
 from kvcached.core._posix cimport (
-    CLOCK_MONOTONIC, _now, clock_gettime, getpid, pthread_cond_broadcast, pthread_cond_destroy,
+    CLOCK_MONOTONIC, _now, clock_gettime, pthread_cond_broadcast, pthread_cond_destroy,
     pthread_cond_init, pthread_cond_signal, pthread_cond_timedwait, pthread_cond_wait, pthread_condattr_destroy,
     pthread_condattr_init, pthread_condattr_setclock, pthread_condattr_t, pthread_mutex_destroy, pthread_mutex_init,
     pthread_mutex_lock, pthread_mutex_trylock, pthread_mutex_unlock, timespec, usleep,
 )
-from kvcached.core.vmm cimport _OOM, _TOKEN_CLOSED, _fork_generation, _lifecycle_name, _live_token, _raise_unusable
+from kvcached.core.vmm cimport (
+    _OOM, lifecycle_check, lifecycle_check_owned, lifecycle_close, lifecycle_init, lifecycle_live, lifecycle_name,
+    lifecycle_owned,
+)
 
 import threading as _threading
 
@@ -70,8 +73,7 @@ cdef class PageAllocator:
         pthread_mutex_init(&self.map_lock, NULL)
         self.policy = RefillPolicy.__new__(RefillPolicy)   # never None: the fast path reads it unchecked
         self.limit_pages = -1
-        self.live_token = _live_token()
-        self.creator_pid = getpid()
+        lifecycle_init(&self.life)
 
     def __init__(self, pagetable.PageTable page_table not None, num_pages=None, int min_reserved=5, int max_reserved=10,
                  double idle_trim_s=30.0):
@@ -137,7 +139,7 @@ cdef class PageAllocator:
 
     def __dealloc__(self):
         cdef int i
-        cdef bint own = getpid() == self.creator_pid     # a forked child touches nothing: Note [Fork and close]
+        cdef bint own = lifecycle_owned(&self.life)      # a forked child touches nothing: Note [Fork and close]
         if own and self.batch_fence != NULL and self.backend is not None:
             for i in range(self.num_batches):
                 try:
@@ -160,25 +162,17 @@ cdef class PageAllocator:
 
     cdef int _check_usable(self) except -1 nogil:
         """Raise KVCachedClosedError when closed or in a forked child (Note [Fork and close])."""
-        if self.live_token == _fork_generation:
-            return 0
-        with gil:
-            _raise_unusable("PageAllocator", self.live_token, self.creator_pid,
-                            "its manager was closed or kvcached shut down; make a new manager.")
-        return -1
+        return lifecycle_check(&self.life, b"PageAllocator",
+                               b"its manager was closed or kvcached shut down; make a new manager.")
 
     cdef int _check_not_forked(self) except -1:
         # read-only surfaces (stats, checks) still answer on a closed allocator
-        if self.live_token != _TOKEN_CLOSED:
-            self._check_usable()
-        elif getpid() != self.creator_pid:
-            _raise_unusable("PageAllocator", 0, self.creator_pid, "")
-        return 0
+        return lifecycle_check_owned(&self.life, b"PageAllocator")
 
     @property
     def lifecycle(self) -> str:
         """"live", "closed" (close() was called) or "forked" (inherited by a forked child)."""
-        return _lifecycle_name(self.live_token)
+        return lifecycle_name(&self.life)
 
     # -- the free set: a Fenwick tree over page ids (count and weight) -----------------------
     cdef void _fw_add(self, int32_t page_id, int sign) noexcept nogil:
@@ -766,8 +760,7 @@ cdef class PageAllocator:
         memory, corrected by this backend's own creates and releases since). Exact on the host
         backend; on CUDA other processes may change it. Raises KVCachedClosedError when closed or in
         a forked child; KVCachedConfigError for a max_new_pages below -1 or not an integer."""
-        if self.live_token != _fork_generation:
-            self._check_usable()
+        self._check_usable()
         return self.available_weight(False, _max_new_pages(max_new_pages))
 
     def take(self, int n):
@@ -988,7 +981,7 @@ cdef class PageAllocator:
         Pages in use stay mapped (the BlockAllocator frees them first: BlockAllocator.close).
         Idempotent; does nothing in a forked child (Note [Fork and close]). Raises the first
         failure of the teardown after marking the allocator closed."""
-        if self.live_token != _fork_generation:
+        if not lifecycle_live(&self.life):
             return
         try:
             self.stop()
@@ -1004,7 +997,7 @@ cdef class PageAllocator:
             with nogil:
                 pthread_mutex_lock(&self.map_lock)
                 pthread_mutex_lock(&self.lock)
-                self.live_token = _TOKEN_CLOSED
+                lifecycle_close(&self.life)
                 self.policy.has_gate = False
                 pthread_mutex_unlock(&self.lock)
             self.policy.gate_acquire = None
@@ -1201,13 +1194,13 @@ cdef class RefillPolicy:
         pthread_cond_init(&self.wake, &attr)
         pthread_cond_init(&self.pool_cv, &attr)
         pthread_condattr_destroy(&attr)
-        self.creator_pid = getpid()
+        lifecycle_init(&self.life)
         self.thread = None
         self.gate_acquire = None
         self.gate_release = None
 
     def __dealloc__(self):
-        if getpid() == self.creator_pid:     # a forked child touches nothing: Note [Fork and close]
+        if lifecycle_owned(&self.life):      # a forked child touches nothing: Note [Fork and close]
             pthread_cond_destroy(&self.wake)
             pthread_cond_destroy(&self.pool_cv)
 
@@ -1396,7 +1389,7 @@ cdef class RefillPolicy:
     cdef int _stop(self, PageAllocator pa) except -1:
         """Stop the background thread and wait for it; nothing in a forked child."""
         thread = self.thread
-        if thread is None or getpid() != self.creator_pid:
+        if thread is None or not lifecycle_owned(&self.life):
             return 0
         with nogil:
             pthread_mutex_lock(&pa.lock)

@@ -5,15 +5,14 @@
 from libc.stdint cimport int32_t, uint8_t, uint64_t, uintptr_t
 
 from kvcached.core._posix cimport pthread_mutex_t
-from kvcached.core.vmm cimport Backend
+from kvcached.core.vmm cimport Backend, Lifecycle
 
 cdef class PageTable:
     # Lock rule: `lock` serialises map_pages, unmap_pages, set_mirror and close; it is only ever
     # waited on without the GIL, and a failure path (the undo, the mirror) takes the GIL while
     # holding it. The page allocator above also holds its map_lock around every call.
     cdef pthread_mutex_t lock                   # see the lock rule
-    cdef uint64_t live_token                    # Note [Fork and close]; _TOKEN_CLOSED after close()
-    cdef int creator_pid                        # process that made it (a forked child touches nothing)
+    cdef Lifecycle life                         # live / closed / forked: Note [Fork and close]
     cdef readonly uint64_t num_rollback_failures  # undo steps of failed maps that failed too
     cdef readonly object last_rollback_error    # the latest of them
     cdef readonly uint64_t num_unmap_failures   # segment unmaps the driver refused (the segment stayed mapped)

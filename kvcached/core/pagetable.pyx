@@ -12,10 +12,10 @@ from libc.stdlib cimport calloc, free, malloc
 
 from cuda.bindings cimport cydriver
 
-from kvcached.core._posix cimport _now, getpid, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock
+from kvcached.core._posix cimport _now, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock
 from kvcached.core.vmm cimport (
-    _OOM, _TOKEN_CLOSED, Backend, CudaBackend, VirtualRange, _fork_generation, _lifecycle_name, _live_token,
-    _raise_if_oom, _raise_unusable, check,
+    _OOM, Backend, CudaBackend, VirtualRange, _raise_if_oom, check, lifecycle_check, lifecycle_check_owned,
+    lifecycle_close, lifecycle_init, lifecycle_live, lifecycle_name, lifecycle_owned,
 )
 
 from kvcached.errors import KVCachedConfigError, MappingError, OutOfDeviceMemory
@@ -58,8 +58,7 @@ cdef class PageTable:
 
     def __cinit__(self, *args, **kwargs):
         pthread_mutex_init(&self.lock, NULL)
-        self.live_token = _live_token()
-        self.creator_pid = getpid()
+        lifecycle_init(&self.life)
 
     def __init__(self, Backend backend not None, list segments not None, size_t map_bytes, int num_pages, bint zero_page=False):
         """segments: [(VirtualRange, offset_bytes)], one per mapping of a page id.
@@ -124,8 +123,8 @@ cdef class PageTable:
                     self._remap_zero(address)
 
     def __dealloc__(self):
-        if getpid() == self.creator_pid:            # a forked child touches nothing: Note [Fork and close]
-            if self.handles != NULL and self.backend is not None and self.live_token == _fork_generation:
+        if lifecycle_owned(&self.life):             # a forked child touches nothing: Note [Fork and close]
+            if self.handles != NULL and self.backend is not None and lifecycle_live(&self.life):
                 try:
                     self.close()
                 except Exception:
@@ -138,15 +137,11 @@ cdef class PageTable:
     @property
     def lifecycle(self) -> str:
         """"live", "closed" (close() was called) or "forked" (inherited by a forked child)."""
-        return _lifecycle_name(self.live_token)
+        return lifecycle_name(&self.life)
 
     cdef int _check_usable(self) except -1 nogil:
-        if self.live_token == _fork_generation:
-            return 0
-        with gil:
-            _raise_unusable("page table", self.live_token, self.creator_pid,
-                            "its KV tensors were shut down; call init_kvcached and alloc_kv_cache again.")
-        return -1
+        return lifecycle_check(&self.life, b"page table",
+                               b"its KV tensors were shut down; call init_kvcached and alloc_kv_cache again.")
 
     # -- the data path -----------------------------------------------------------------------
     cdef int map_pages(self, const int32_t* page_ids, int n) except -1 nogil:
@@ -408,13 +403,10 @@ cdef class PageTable:
         (on what a failed close left); raises KVCachedClosedError in a forked child. Takes `lock`."""
         cdef int i, s, bad, failed = 0
         cdef int32_t p
-        if self.live_token != _TOKEN_CLOSED:
-            self._check_usable()    # a forked child raises before the lock (its holder may be the parent's thread)
+        lifecycle_check_owned(&self.life, b"page table")   # a forked child raises before the lock (its holder may be the parent's thread)
         pthread_mutex_lock(&self.lock)
         try:
             self.backend._check_live()
-            if self.live_token != _TOKEN_CLOSED:
-                self._check_usable()
             for i in range(n):
                 p = page_ids[i]
                 if self.mapped[p] == 0:
@@ -587,16 +579,16 @@ cdef class PageTable:
         KVCachedClosedError from then on; unmap still unmaps what a failed close left mapped. Every
         page is tried; the first failure is raised at the end (the pages it concerns stay
         mapped, counted). Idempotent; does nothing in a forked child. Takes `lock`."""
-        if self.handles == NULL or self.live_token != _fork_generation:
+        if self.handles == NULL or not lifecycle_live(&self.life):
             return
         with nogil:
             pthread_mutex_lock(&self.lock)
         try:
-            if self.live_token != _fork_generation:
+            if not lifecycle_live(&self.life):
                 return
             if self.num_mapped or self.zero_page:
                 _check_ranges_alive(self.ranges)
-            self.live_token = _TOKEN_CLOSED
+            lifecycle_close(&self.life)
             self._close_locked()
         finally:
             pthread_mutex_unlock(&self.lock)

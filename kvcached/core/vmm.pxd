@@ -27,12 +27,28 @@ cdef enum:
 cdef uint64_t _fork_generation  # forks this process descends from; bumped in each child, before any Python
 cdef uint64_t _TOKEN_CLOSED     # the token of a closed object: never equal to _fork_generation
 
-cdef inline uint64_t _live_token() noexcept nogil:
-    """The token of an object made now: usable while it equals _fork_generation."""
-    return _fork_generation
+cdef struct Lifecycle:
+    # Every object of the core that owns memory or locks embeds one and asks it, one way, whether it
+    # may act: one load and compare on the hot path, no getpid().
+    uint64_t token              # == _fork_generation while usable; _TOKEN_CLOSED once closed
+    uint64_t generation         # _fork_generation when made: differs in a forked child, closed or not
+    int creator_pid             # the process that made it (named in the forked-child message)
 
-cdef int _raise_unusable(str what, uint64_t token, int creator_pid, str fix) except -1   # always raises KVCachedClosedError
-cdef str _lifecycle_name(uint64_t token)                                               # "live", "closed" or "forked"
+cdef inline bint lifecycle_live(const Lifecycle* lc) noexcept nogil:
+    """Usable: neither closed nor inherited by a forked child."""
+    return lc.token == _fork_generation
+
+cdef inline bint lifecycle_owned(const Lifecycle* lc) noexcept nogil:
+    """Made in this process (closed or not): only then may close / __dealloc__ touch its resources."""
+    return lc.generation == _fork_generation
+
+cdef inline void lifecycle_close(Lifecycle* lc) noexcept nogil:
+    lc.token = _TOKEN_CLOSED
+
+cdef void lifecycle_init(Lifecycle* lc) noexcept nogil                              # live, made in this process now
+cdef int lifecycle_check(const Lifecycle* lc, const char* what, const char* fix) except -1 nogil  # 0 while live, else raises KVCachedClosedError
+cdef int lifecycle_check_owned(const Lifecycle* lc, const char* what) except -1 nogil  # 0 unless in a forked child (closed is fine), else raises
+cdef str lifecycle_name(const Lifecycle* lc)                                        # "live", "closed" or "forked"
 
 # -- checked calls: each raises DriverError naming the call (OutOfDeviceMemory for out of memory) --
 cdef str _cuda_error_name(cydriver.CUresult res)                                       # never raises
@@ -52,8 +68,7 @@ cdef class Backend:
     cdef readonly str kind                      # "cuda" or "host"
     cdef readonly int device_id                 # CUDA ordinal; -1 for the host
     cdef readonly bint integrated_memory        # device memory is host memory (CU_DEVICE_ATTRIBUTE_INTEGRATED)
-    cdef uint64_t live_token                    # == _fork_generation while usable; Note [Fork and close]
-    cdef int creator_pid                        # process that made it (for the forked-child message)
+    cdef Lifecycle life                         # live / forked; a backend is never closed (Note [Fork and close])
     # the handle cache (Note [Handle cache]); only the methods of this class touch it
     cdef readonly int cache_capacity            # most released handles kept for reuse
     cdef int cache_count                        # handles in the cache now (a racy read is a hint only)
@@ -131,7 +146,7 @@ cdef class VirtualRange:
     cdef readonly uintptr_t address             # base; never changes for the range's life
     cdef readonly size_t size_bytes             # bytes reserved (a multiple of the granularity)
     cdef bint freed                             # reservation given back
-    cdef uint64_t live_token                    # Note [Fork and close]
+    cdef Lifecycle life                         # made in this process or inherited (Note [Fork and close])
     @staticmethod
     cdef VirtualRange _wrap(Backend backend, uintptr_t address, size_t size_bytes)   # never raises
 

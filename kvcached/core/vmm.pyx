@@ -126,21 +126,39 @@ cdef void _after_fork_child() noexcept nogil:
 pthread_atfork(NULL, NULL, _after_fork_child)
 
 
-cdef int _raise_unusable(str what, uint64_t token, int creator_pid, str fix) except -1:
-    """Raise the KVCachedClosedError that says why an object whose token is stale cannot be used
+cdef void lifecycle_init(Lifecycle* lc) noexcept nogil:
+    lc.token = _fork_generation
+    lc.generation = _fork_generation
+    lc.creator_pid = getpid()
+
+
+cdef int lifecycle_check(const Lifecycle* lc, const char* what, const char* fix) except -1 nogil:
+    """0 while live; else raise the KVCachedClosedError that says why the object cannot be used
     (closed, or inherited by a forked child): one class an engine can catch for both."""
-    if token == _TOKEN_CLOSED:
-        raise KVCachedClosedError(f"this {what} is closed; {fix}")
-    raise KVCachedClosedError(
-        f"this {what} was created in process {creator_pid} and is unusable in a forked child "
-        f"(process {_os.getpid()}): its memory and locks are shared with the parent, whose KV cache it "
-        f"would corrupt; create a new one after fork (init_kvcached / get_kv_cache_manager in the child).")
+    if lc.token == _fork_generation:
+        return 0
+    with gil:
+        name = what.decode()
+        if lc.generation != _fork_generation:
+            raise KVCachedClosedError(
+                f"this {name} was created in process {lc.creator_pid} and is unusable in a forked child "
+                f"(process {_os.getpid()}): its memory and locks are shared with the parent, whose KV cache "
+                f"it would corrupt; create a new one after fork (init_kvcached / get_kv_cache_manager in "
+                f"the child).")
+        raise KVCachedClosedError(f"this {name} is closed; {fix.decode()}")
 
 
-cdef str _lifecycle_name(uint64_t token):
-    if token == _fork_generation:
+cdef int lifecycle_check_owned(const Lifecycle* lc, const char* what) except -1 nogil:
+    """0 unless the object was inherited by a forked child (closed is fine: stats, invariants)."""
+    if lc.generation == _fork_generation:
+        return 0
+    return lifecycle_check(lc, what, b"")
+
+
+cdef str lifecycle_name(const Lifecycle* lc):
+    if lc.token == _fork_generation:
         return "live"
-    return "closed" if token == _TOKEN_CLOSED else "forked"
+    return "closed" if lc.generation == _fork_generation else "forked"
 
 
 def fork_generation() -> int:
@@ -149,8 +167,10 @@ def fork_generation() -> int:
 
 # Note [Fork and close]
 # Every object of the core that owns memory or locks (Backend, VirtualRange, PageTable,
-# PageAllocator, BlockAllocator) carries a token: the fork generation it was made in, or
-# _TOKEN_CLOSED once closed. A pthread_atfork child handler bumps the generation, so after any
+# PageAllocator, RefillPolicy, BlockAllocator) embeds a Lifecycle (vmm.pxd): a token, the fork
+# generation it was made in or _TOKEN_CLOSED once closed, and that generation kept apart, which
+# tells a closed object in its own process from one a forked child inherited (no getpid()). The
+# same helpers answer for every class: lifecycle_live, lifecycle_owned, lifecycle_check. A pthread_atfork child handler bumps the generation, so after any
 # fork (os.fork, multiprocessing, a C library) every inherited object is stale at once, with no
 # registry to walk and nothing to call from Python. Public methods compare the token first — one
 # load and compare, before any lock — and raise a KVCachedClosedError that says what to do. In a child
@@ -216,29 +236,23 @@ cdef class Backend:
         pthread_mutex_init(&self._lock, NULL)
         self.cache_capacity = DEFAULT_HANDLE_CACHE_SIZE
         self.fault_countdown = -1
-        self.live_token = _live_token()
-        self.creator_pid = getpid()
+        lifecycle_init(&self.life)
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Backend is abstract: use CudaBackend(device_id) or HostBackend()")
 
     def __dealloc__(self):
-        if self.live_token == _fork_generation:      # in a child the lock may be held by a lost thread
+        if lifecycle_owned(&self.life):              # in a child the lock may be held by a lost thread
             pthread_mutex_destroy(&self._lock)
 
     cdef int _check_live(self) except -1 nogil:
         """Raise KVCachedClosedError in a forked child (Note [Fork and close]); 0 otherwise."""
-        if self.live_token == _fork_generation:
-            return 0
-        with gil:
-            _raise_unusable(f"{self.kind} backend", self.live_token, self.creator_pid,
-                            "make a new backend (init_kvcached) in this process.")
-        return -1
+        return lifecycle_check(&self.life, b"kvcached backend", b"make a new backend (init_kvcached).")
 
     @property
     def lifecycle(self) -> str:
         """"live", or "forked" when inherited by a forked child (then every method raises)."""
-        return _lifecycle_name(self.live_token)
+        return lifecycle_name(&self.life)
 
     # -- primitives, implemented by subclasses ------------------------------------------------
     cdef int _reserve(self, size_t size_bytes, uintptr_t* address) except -1 nogil:
@@ -664,7 +678,7 @@ cdef class CudaBackend(Backend):
         self.integrated_memory = integrated != 0
 
     def __dealloc__(self):
-        if self.has_context and self.live_token == _fork_generation:   # a forked child touches no driver
+        if self.has_context and lifecycle_owned(&self.life):   # a forked child touches no driver
             # Cached handles hold device memory that nothing else can reach once we are gone.
             try:
                 self.release_cached_above(0)
@@ -1046,12 +1060,12 @@ cdef class VirtualRange:
         r.backend = backend
         r.address = address
         r.size_bytes = size_bytes
-        r.live_token = _live_token()
+        lifecycle_init(&r.life)
         return r
 
     def __dealloc__(self):
         # a forked child gives nothing back: the reservation is the parent's (Note [Fork and close])
-        if not self.freed and self.backend is not None and self.live_token == _fork_generation:
+        if not self.freed and self.backend is not None and lifecycle_owned(&self.life):
             try:
                 self.backend._free_range(self.address, self.size_bytes)
             except Exception:
