@@ -20,11 +20,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcached"
 
 # Bottom first; a module may import its own layer or any below it (cycles are checked apart).
 LAYERS = (
-    {"errors", "sizes", "checks", "config", "_shm", "_steps", "_posix"},
+    {"errors", "sizes", "checks", "config", "limits", "_steps", "_posix"},
     {"_vmm"},
     {"_pagetable"},
     {"_pagealloc"},
-    {"_core", "mem_info_tracker", "budget"},
+    {"_core", "shm"},                              # shm: segments, budgets, the poller
     {"layout", "tp"},                               # tp: the page-table mirror of tensor parallelism
     {"kv_cache_manager"},
     {"runtime"},
@@ -32,8 +32,8 @@ LAYERS = (
     {"cli"},
 )
 # The public API: what applications built on kvcached may import from it.
-PUBLIC = {"", "runtime", "kv_cache_manager", "budget", "mem_info_tracker", "errors", "checks",
-          "config", "sizes"}
+PUBLIC = {"", "runtime", "kv_cache_manager", "limits", "shm.client", "shm.segment", "shm.budget", "errors",
+          "checks", "config", "sizes"}
 # Applications, bottom first: each may import the public API, itself and the ones below it.
 APPS = ("ops", "serving", "integration", "demo")
 
@@ -133,8 +133,9 @@ def test_the_parser_sees_known_edges():
     edges = graph()
     assert "kv_cache_manager" in edges["runtime"]
     assert "_core" in edges["kv_cache_manager"]                     # inside a method
-    assert {"budget", "mem_info_tracker"} <= edges["cli.kvctl"]
-    assert "_shm" in edges["budget"]
+    assert {"shm.budget", "shm.client", "limits"} <= edges["cli.kvctl"]
+    assert {"shm.files", "shm.poller"} <= edges["shm.budget"]
+    assert {"shm.owner", "shm.poller", "limits"} <= edges["kv_cache_manager"]
     assert {"_vmm", "_pagealloc", "errors"} <= edges["_core"]       # cimports and imports, .pxd too
     assert "_vmm" in edges["_pagetable"] and "checks" in edges["_pagealloc"]   # the latter in an included .pxi
 
