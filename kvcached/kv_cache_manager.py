@@ -241,7 +241,7 @@ class KVCacheManager:
                     self.num_pages, self.page_bytes, self.ipc_name)
 
     def _build(self, settings: config.Settings, ipc_name: str | None, reserve_null_block: bool) -> None:
-        """Make the allocators, the budget share and the tracker, then start the threads.
+        """Make the allocators, the budget share and the tracker, then start the jobs and threads.
         Assumes the registry's lock; on an exception the caller tears down what exists."""
         from ._core import BlockAllocator
         from ._pagealloc import PageAllocator

@@ -23,13 +23,6 @@ from kvcached.shm.owner import MemInfoTracker
 pytestmark = pytest.mark.usefixtures("shm_clean")
 
 
-@pytest.fixture
-def tracker():
-    t = MemInfoTracker(unique_name("trk"), capacity_bytes=8 << 30, page_size_bytes=2 << 20)
-    yield t
-    t.close()
-
-
 def test_docstring_table_matches_layout():
     rows = re.findall(r"^(\d+)\s+(char\[\d*\]|byte\[\]|u32|[iu]64)\s+(\w+|\(reserved\))\s",
                       seg.__doc__, re.MULTILINE)

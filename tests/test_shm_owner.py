@@ -28,13 +28,6 @@ from kvcached.shm.poller import POLLER
 pytestmark = pytest.mark.usefixtures("shm_clean")
 
 
-@pytest.fixture
-def tracker():
-    t = MemInfoTracker(unique_name("trk"), capacity_bytes=8 << 30, page_size_bytes=2 << 20)
-    yield t
-    t.close()
-
-
 def test_round_trip_through_the_file(tracker):
     tracker.publish(3 << 20, 5 << 20)
     tracker.set_limit(6 << 30, 7, "deferred")

@@ -28,7 +28,7 @@ offset type    field                 meaning
 24     i64     start_time            owner start time (clock ticks after boot; tells pid reuse)
 32     i64     pid_ns                inode of the owner's pid namespace (0: unknown)
 40     i64     created_ns            CLOCK_REALTIME ns when the segment was created
-48     i64     heartbeat_ns          CLOCK_REALTIME ns, refreshed by the owner's background thread
+48     i64     heartbeat_ns          CLOCK_REALTIME ns, refreshed by the owner's heartbeat job
 56     i64     page_size_bytes       physical page size of the instance (0: unknown)
 64     u64     usage_seq             seqlock of the usage block (odd while being written)
 72     i64     used_bytes            bytes in pages holding live blocks
