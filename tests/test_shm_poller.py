@@ -99,6 +99,29 @@ def test_cancel_waits_for_the_run_in_progress():
     keeper.cancel()
 
 
+def test_cancelling_the_last_job_while_it_runs_ends_the_thread_cleanly(monkeypatch):
+    """The thread must not look for a next job once the last one was cancelled under it (it
+    raised ValueError from min() of no jobs)."""
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    poller, before = Poller(), set(poller_threads())
+    entered, release = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        entered.set()
+        release.wait(WAIT_S)
+
+    job = poller.every(0.001, slow, "slow")
+    (thread,) = set(poller_threads()) - before
+    assert entered.wait(WAIT_S)
+    canceller = threading.Thread(target=job.cancel)
+    canceller.start()
+    release.set()
+    canceller.join(WAIT_S)
+    assert not canceller.is_alive() and not thread.is_alive()
+    assert errors == []
+
+
 def test_a_job_may_cancel_itself_and_add_jobs():
     poller, second = Poller(), Counter(1)
     cancelled, jobs = threading.Event(), []

@@ -104,12 +104,12 @@ class Poller:
         with self._cond:
             if job in self._jobs:
                 self._jobs.remove(job)
+            thread = None
+            if not self._jobs and self._thread is not None:  # before waiting: a thread runs
+                thread, self._thread = self._thread, None     # only while there are jobs
+                self._cond.notify_all()
             while self._running is job and self._runner is not me:
                 self._cond.wait()
-            thread = None
-            if not self._jobs and self._thread is not None:
-                thread, self._thread = self._thread, None
-                self._cond.notify_all()
         if thread is not None and thread is not me:
             thread.join()
 
