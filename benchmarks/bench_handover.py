@@ -180,7 +180,7 @@ class Child:
 
 
 def operate(args) -> dict:
-    from kvcached.mem_info_tracker import read_segment, request_limit
+    from kvcached.shm.client import read_segment, request_limit
 
     tag = uuid.uuid4().hex[:6]
     pages = args.size // (PAGE_MB << 20) // 1 + 1

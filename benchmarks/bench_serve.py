@@ -282,7 +282,7 @@ def instance(index: int, setup: Setup, env: dict, shared: Shared, requests: int,
 
 
 def bench_handover(setup: Setup, shifts: int = 2) -> list[dict]:
-    from kvcached.budget import delete_budget, read_budget, set_budget
+    from kvcached.shm.budget import delete_budget, read_budget, set_budget
 
     ctx = mp.get_context("spawn")
     name = f"bench-serve-{os.getpid()}-{uuid.uuid4().hex[:6]}"

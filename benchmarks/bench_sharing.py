@@ -150,7 +150,7 @@ def run_instance(device: str) -> None:
 # -- (b) limit change -> applied --------------------------------------------------------------
 
 def bench_limit_latency(device: str, samples: int) -> None:
-    from kvcached.mem_info_tracker import read_segment, request_limit
+    from kvcached.shm.client import read_segment, request_limit
 
     name = f"bench-share-{uuid.uuid4().hex[:8]}"
     proc = spawn(name, device)

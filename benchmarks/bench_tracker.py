@@ -21,13 +21,9 @@ import uuid
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from kvcached.budget import Budget, delete_budget  # noqa: E402
-from kvcached.mem_info_tracker import (  # noqa: E402
-    MemInfoTracker,
-    read_segment,
-    request_limit,
-    wait_for_ack,
-)
+from kvcached.shm.budget import Budget, delete_budget  # noqa: E402
+from kvcached.shm.client import read_segment, request_limit, wait_for_ack  # noqa: E402
+from kvcached.shm.owner import MemInfoTracker  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": REPO}
 ROWS: list[tuple[str, str, str]] = []

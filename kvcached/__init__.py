@@ -3,7 +3,7 @@
 The layers, each calling only the ones below it (tests/test_layers.py checks the imports)::
 
     ops/, serving/, integration/vllm/   applications: the public API only (this module, runtime,
-                                        KVCacheManager, budget, mem_info_tracker)
+                                        KVCacheManager, limits, shm.client, shm.budget)
     CLI              cli/kvctl.py, cli/kvtop.py   operators: read segments, request limits
     runtime          runtime.py            the one registry: backend, groups, managers
     manager          kv_cache_manager.py   engine-facing policy: limits, budget, publishing
@@ -16,8 +16,9 @@ The layers, each calling only the ones below it (tests/test_layers.py checks the
                                              handle cache, virtual ranges and DLPack
 
 Each compiled module cimports only the ones below it through their .pxd contracts.
-Beside them: layout.py (where each block lives in the ranges), mem_info_tracker.py and budget.py
-(shared-memory segments, over _shm.py), and errors, config, checks, sizes at the bottom.
+Beside them: layout.py (where each block lives in the ranges), limits.py (the limit arithmetic),
+shm/ (the shared-memory segments, the budgets and the one poller thread: shm/__init__.py says
+which file holds what), and errors, config, checks, sizes at the bottom.
 
 The public API is re-exported here lazily, so that ``kvctl`` and the tracker import neither torch
 nor the compiled core. Importing the package also gives a manager made without a registry the

@@ -85,7 +85,7 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
-MAX_NAME_BYTES = 200        # what a segment name may take (_shm.MAX_NAME_BYTES)
+MAX_NAME_BYTES = 200        # most UTF-8 bytes of an instance or budget name (kvcached.shm.files)
 
 
 def _name(text: str) -> str:

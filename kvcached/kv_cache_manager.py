@@ -22,12 +22,14 @@ from . import config
 from ._steps import Steps
 from .checks import as_int
 from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
-from .mem_info_tracker import I64_MAX, NO_LIMIT, MemInfoTracker, classify_limit_request
+from .limits import I64_MAX, NO_LIMIT, classify_limit_request
+from .shm.owner import MemInfoTracker
+from .shm.poller import POLLER, Job
 
 if TYPE_CHECKING:
     from .core import BlockAllocator, PageAllocator, PageTable
     from .core.blockalloc import _BlockAllocatorStats
-    from .budget import Budget
+    from .shm.budget import Budget
     from .layout import KVLayout
 
 logger = logging.getLogger("kvcached")
@@ -177,7 +179,7 @@ class KVCacheManager:
     _blocks: BlockAllocator
     _budget: Budget | None
     _tracker: MemInfoTracker | None
-    _publisher: threading.Thread | None
+    _publisher: Job | None                  # publishing on the process's poller (tracker on)
 
     def __init__(self, num_blocks: int, block_size: int, cell_size: int, num_layers: int, world_size: int = 1,
                  pp_rank: int = 0, async_sched: bool = False, reserve_null_block: bool = False,
@@ -215,7 +217,6 @@ class KVCacheManager:
         self._forked = False
         self._pid = os.getpid()
         self._budget = self._tracker = self._publisher = None
-        self._closed = threading.Event()          # stops the publisher
         self._limit_lock = threading.Lock()
         self._limit_bytes = NO_LIMIT
         self._limit_revision = 0
@@ -239,7 +240,7 @@ class KVCacheManager:
                     self.num_pages, self.page_bytes, self.ipc_name)
 
     def _build(self, settings: config.Settings, ipc_name: str | None, reserve_null_block: bool) -> None:
-        """Make the allocators, the budget share and the tracker, then start the threads.
+        """Make the allocators, the budget share and the tracker, then start the jobs and threads.
         Assumes the registry's lock; on an exception the caller tears down what exists."""
         from .core import BlockAllocator
         from .core import PageAllocator
@@ -265,9 +266,8 @@ class KVCacheManager:
             self._tracker = MemInfoTracker(ipc_name, capacity_bytes=num_pages * self.page_bytes,
                                            page_size_bytes=self.page_bytes)
             self._tracker.start_watcher(self._apply_limit)
-            self._publisher = threading.Thread(target=self._publish_loop, name=f"kvcached-publish-{self.group_id}",
-                                               daemon=True)
-            self._publisher.start()
+            self._publisher = POLLER.every(PUBLISH_INTERVAL_S, self._publish, f"manager of group {self.group_id}: "
+                                           f"publishing to segment {self._tracker.name}")
         self._pages.start()
 
     def _refuse_more_blocks_than_tensors(self) -> None:
@@ -332,7 +332,7 @@ class KVCacheManager:
         self.null_block = 0
 
     def _attach_budget(self, name: str) -> None:
-        from .budget import Budget
+        from .shm.budget import Budget
 
         self._budget = Budget.open(name, config.settings().global_budget_bytes)
         # Cached handles hold device memory the budget no longer counts: no cache under a budget.
@@ -551,23 +551,10 @@ class KVCacheManager:
             self._group.peers.check_peers(self._group.page_table)
 
     # -- background publishing and shutdown ---------------------------------------------------
-    def _publish_loop(self) -> None:
-        failing = False
-        while not self._closed.wait(PUBLISH_INTERVAL_S):
-            try:
-                self._publish()
-            except Exception:                   # one failed round must not end publishing for good
-                if not failing:
-                    logger.exception("manager of group %d: publishing to segment %s failed; retrying every %g s",
-                                     self.group_id, self.ipc_name, PUBLISH_INTERVAL_S)
-                failing = True
-            else:
-                if failing:
-                    logger.warning("manager of group %d: publishing to segment %s works again", self.group_id,
-                                   self.ipc_name)
-                failing = False
-
     def _publish(self) -> None:
+        """The publishing job: usage into the segment, a deferred limit checked. A failed round
+        is logged by the poller, and the next one runs (See Note [One poller per process] in
+        shm.poller)."""
         tracker = self._tracker
         assert tracker is not None, "the publisher runs only with a tracker"
         stats = self._pages.stats()
@@ -586,7 +573,7 @@ class KVCacheManager:
                 tracker.set_limit(*state)
 
     def close(self) -> None:
-        """Stop the background threads, free every block, unmap every page of this manager and
+        """Stop the background jobs and threads, free every block, unmap every page of this manager and
         give back its budget share; afterwards every other method raises KVCachedClosedError.
         Idempotent; in a forked child it touches nothing. See Note [Manager life cycle]."""
         self._close(f"this KVCacheManager of group {self.group_id} is closed: its pages are unmapped and its "
@@ -609,14 +596,13 @@ class KVCacheManager:
                 self._registry.remove(self._group, self)
 
     def _teardown(self) -> None:
-        """Join every thread of this manager, then give back its blocks, pages and budget share.
-        Each step runs even if one before it failed; the first error is raised at the end."""
+        """End every job and thread of this manager, then give back its blocks, pages and budget
+        share. Each step runs even if one before it failed; the first error is raised at the end."""
         steps = Steps()
-        self._closed.set()
         if self._publisher is not None:
-            self._publisher.join()
+            self._publisher.cancel()            # a publish in progress finishes first
         if self._tracker is not None:
-            steps.run(self._tracker.close)      # joins the watcher: no limit is applied after this
+            steps.run(self._tracker.close)      # ends its jobs: no limit is applied after this
         if hasattr(self, "_blocks"):
             steps.run(self._blocks.close)       # frees every block; stops the refill thread, unmaps every page
         elif hasattr(self, "_pages"):
@@ -679,10 +665,11 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # allocators are closed too, so a bound method an engine kept (`alloc = m.alloc`) raises as well
 # (the core's KVCachedError, naming the same fix).
 # Without this a closed manager handed out ids that a newer manager of the group owned, and its
-# trim() unmapped pages under the newer manager's live blocks. Teardown joins the publisher, then
-# the tracker's watcher (a limit being applied finishes under _limit_lock first), then closes the
-# allocators (refill thread stopped, every page unmapped) and the budget share, in that order, so
-# no thread touches a page table being torn down.
+# trim() unmapped pages under the newer manager's live blocks. Teardown takes the publishing job
+# off the process's poller, then the tracker's jobs (each cancel waits for a run in progress, so a
+# limit being applied finishes first; Note [One poller per process] in shm.poller), then closes
+# the allocators (refill thread stopped, every page unmapped) and the budget share, in that order,
+# so no thread touches a page table being torn down.
 # After fork() every manager of the child is marked forked by an at-fork handler: every method
 # raises before taking any lock (a lock may have been held by a parent thread that does not exist
 # in the child), close() does nothing, and the Cython objects refuse every call by themselves
@@ -693,10 +680,10 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # A limit caps live pages plus the reserved pool. Applying one trims the pool at once; pages that
 # hold live blocks are unmapped as they empty, and no page is mapped meanwhile. The status is
 # "applied" when the mapped memory is already within the limit, else "deferred" until it is (the
-# publisher thread notices within PUBLISH_INTERVAL_S and records "applied" in the segment). The
+# publishing job notices within PUBLISH_INTERVAL_S and records "applied" in the segment). The
 # publisher also rewrites the segment's limit block whenever it differs from the manager's state:
-# the tracker's watcher writes its answer after _apply_limit returns, and a flip to "applied"
-# made in that window would otherwise be overwritten by a stale "deferred" for good.
+# the tracker's limit-request job writes its answer after _apply_limit returns, and a flip to
+# "applied" made in that window would otherwise be overwritten by a stale "deferred" for good.
 # Lowering a limit, and meeting a deferred one, also releases the backend's cached physical
 # handles (Note [Handle cache]): they hold device memory the limit is meant to give back.
 # Revisions order limit changes from several operators: a revision below the current one is

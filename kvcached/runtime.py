@@ -35,7 +35,7 @@ from .kv_cache_manager import (
     refuse_async_sched,
 )
 from .layout import KVLayout, choose_layout, make_layout
-from .mem_info_tracker import classify_limit_request, split_limit
+from .limits import classify_limit_request, split_limit
 
 if TYPE_CHECKING:
     from .core import Backend, PageTable
@@ -455,7 +455,7 @@ def set_instance_memory_limit(limit_bytes: int, *, revision: int) -> dict:
     """Cap the KV memory of this whole process (every manager) at `limit_bytes`; -1 removes it.
 
     The limit is divided across the managers in proportion to their capacities, in whole pages
-    (``mem_info_tracker.split_limit``), and each share is applied with ``set_memory_limit`` at the
+    (``limits.split_limit``), and each share is applied with ``set_memory_limit`` at the
     same `revision`. A revision that is stale or conflicting for any manager changes none of them.
     Returns ``{"status", "limit_bytes", "revision", "managers": [each manager's result]}``: status
     "applied", "deferred" (some share is below that manager's live pages, see Note [Limits] in

@@ -21,7 +21,7 @@ if REPO not in sys.path:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kvcached.budget import read_budget  # noqa: E402
+from kvcached.shm.budget import read_budget  # noqa: E402
 from kvcached import (  # noqa: E402
     KVCachedClosedError,
     KVCachedError,

@@ -15,6 +15,7 @@ import os
 import random
 import select
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -24,8 +25,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from kvcached.budget import Budget  # noqa: E402
-from kvcached.mem_info_tracker import MemInfoTracker, classify_limit_request  # noqa: E402
+from kvcached.limits import classify_limit_request  # noqa: E402
+from kvcached.shm.budget import Budget  # noqa: E402
+from kvcached.shm.owner import MemInfoTracker  # noqa: E402
+from kvcached.shm.segment import OFFSETS  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": REPO}
 
@@ -95,6 +98,15 @@ class Proc:
             self.popen.communicate()
 
 
+def poke_segment(path: str, field: str, *values: int) -> None:
+    """Write i64 ``values`` at ``field``'s offset of a segment file, as another program could."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, struct.pack(f"={len(values)}q", *values), OFFSETS[field])
+    finally:
+        os.close(fd)
+
+
 def run_module(module: str, *args: str, timeout_s: float = 30) -> subprocess.CompletedProcess:
     """``python -m module args`` with the repository on PYTHONPATH (not the installed script)."""
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
@@ -122,7 +134,6 @@ class KvtopTerminal:
     def resize(self, rows: int, cols: int) -> None:
         """Set the terminal size (kvtop gets SIGWINCH)."""
         import fcntl
-        import struct
         import termios
 
         fcntl.ioctl(self.fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
@@ -265,7 +276,7 @@ def role_budget_worker(args: argparse.Namespace) -> None:
 def role_budget_die_midway(args: argparse.Namespace) -> None:
     """Hold ``held`` bytes, then SIGKILL this process between the slot's and the total's write of
     one more acquisition or release of ``amount`` (budget._between_slot_and_total)."""
-    from kvcached import budget as kb
+    from kvcached.shm import budget as kb
 
     handle = Budget.open(args.name)
     if not handle.try_acquire(args.held):

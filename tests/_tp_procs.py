@@ -293,8 +293,8 @@ def unmap_fault(cfg: dict, workdir: str) -> dict:
 def instance(cfg: dict, workdir: str) -> dict:
     """The tracker's segment and the global budget see one instance of every rank's memory: a
     budget of 3 page ids on every rank lets exactly 3 be mapped (pool 0)."""
-    from kvcached.budget import delete_budget, read_budget
-    from kvcached.mem_info_tracker import read_segment
+    from kvcached.shm.budget import delete_budget, read_budget
+    from kvcached.shm.client import read_segment
 
     world = dist.get_world_size()
     instance_page = PAGE_ID_BYTES * world

@@ -47,6 +47,17 @@ def _shm_files_of_this_run() -> set[str]:
 
 
 @pytest.fixture
+def tracker():
+    """An instance segment of this process (kvcached.shm.owner), closed after the test."""
+    from _procs import unique_name
+    from kvcached.shm.owner import MemInfoTracker
+
+    t = MemInfoTracker(unique_name("trk"), capacity_bytes=8 << 30, page_size_bytes=2 << 20)
+    yield t
+    t.close()
+
+
+@pytest.fixture
 def shm_clean():
     """Fail the test if it left a shared-memory file (segment, budget, scratch file) it made;
     remove what it left, so that one failure leaves nothing for the next run. Use it for a whole

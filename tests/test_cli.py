@@ -9,10 +9,10 @@ import signal
 import pytest
 
 from _procs import KvtopTerminal, Proc, kvctl, run_module, unique_name
-from kvcached import mem_info_tracker as mit
-from kvcached.budget import budget_path, delete_budget, read_budget, set_budget
 from kvcached.errors import KVCachedError
-from kvcached.mem_info_tracker import read_segment
+from kvcached.shm import segment as seg
+from kvcached.shm.budget import budget_path, delete_budget, read_budget, set_budget
+from kvcached.shm.client import read_segment
 from kvcached.sizes import format_bytes, parse_size
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -174,7 +174,7 @@ def test_dead_instance_list_gc_delete():
         refused = kvctl("limit", name, "1G")
         assert refused.returncode == 1
         assert "is dead" in refused.stderr or "no kvcached instance" in refused.stderr
-        path = mit.segment_path(name)
+        path = seg.segment_path(name)
         gc = kvctl("gc")
         assert gc.returncode == 0 and not os.path.exists(path)
         assert f"removed segment {name} (owner dead)" in gc.stdout or name not in gc.stdout
@@ -298,7 +298,7 @@ def test_kvtop_refuses_a_pipe_without_once():
 def _poke_name(path: str, name: bytes) -> None:
     fd = os.open(path, os.O_RDWR)
     try:
-        os.pwrite(fd, name.ljust(256, b"\0"), mit.OFFSETS["name"])
+        os.pwrite(fd, name.ljust(256, b"\0"), seg.OFFSETS["name"])
     finally:
         os.close(fd)
 
@@ -307,7 +307,7 @@ def test_tampered_names_are_escaped_never_printed_raw():
     """A segment whose name bytes another program rewrote, and a file whose very name carries
     control characters: every command shows them escaped (\\x1b), never raw."""
     name = unique_name("tamper")
-    evil_file = mit.segment_path(unique_name("evilfile")) + "\x1b[2J\x07"
+    evil_file = seg.segment_path(unique_name("evilfile")) + "\x1b[2J\x07"
     with Proc("hold", name):
         _poke_name(read_segment(name).path, b"evil\x1b]0;pwned\x07\x1b[31mred\n\xc2\x9bx")
         with open(evil_file, "wb") as f:

@@ -117,9 +117,9 @@ def test_the_demo_leaves_nothing_behind(quick_run):
 
 def _remove_leftovers(output: str) -> None:
     """Remove what a demo killed by SIGKILL left: its budget and its instances' segments."""
-    from kvcached.budget import delete_budget
+    from kvcached.shm.budget import delete_budget
     from kvcached.errors import KVCachedError
-    from kvcached.mem_info_tracker import delete_segment
+    from kvcached.shm.client import delete_segment
 
     match = re.search(r"global budget (demo-\S+) ", output)
     if match is None:

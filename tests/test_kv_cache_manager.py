@@ -475,7 +475,7 @@ def test_memory_limit_lifecycle(kv_env, layout, tracker):
     assert m.get_mapped_memory_size() <= 3 * pb
     assert m.available_size() == 0 and m.alloc(1) is None
     if tracker:
-        from kvcached.mem_info_tracker import MemInfoTracker  # noqa: F401  (segment visible to kvctl)
+        from kvcached.shm.owner import MemInfoTracker  # noqa: F401  (segment visible to kvctl)
         wait_for(lambda: m._tracker.recorded_limit()[2] == "applied", "segment records applied")
     with pytest.raises(ValueError):
         m.set_memory_limit(-2, revision=4)

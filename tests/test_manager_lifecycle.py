@@ -20,6 +20,8 @@ from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached, shutdown_kvc
 from kvcached import runtime as rt_mod
 from kvcached.errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError, KVCachedError
 from kvcached.kv_cache_manager import MAX_LIMIT_BYTES, MAX_REVISION
+from kvcached.shm.client import read_segment, request_limit, wait_for_ack
+from kvcached.shm.poller import POLLER, THREAD_NAME
 
 from _stacks import KV_PAGE_BYTES
 
@@ -124,16 +126,53 @@ def test_closed_manager_cannot_alias_or_unmap_under_a_newer_one(kv_env):
     check(kv, rest, salt=1000)
 
 
+def jobs_of(m) -> list[str]:
+    """The manager's jobs (publishing, its tracker's heartbeat and limit requests) on the poller."""
+    return [what for what in POLLER.jobs() if what.endswith(f"segment {m.ipc_name}") or
+            what.startswith(f"tracker {m.ipc_name}:")]
+
+
+def publishing(m) -> bool:
+    """Whether the manager's publishing job is scheduled and its last round succeeded."""
+    return m._publisher.what in POLLER.jobs() and not m._publisher.failing
+
+
 def test_close_joins_every_thread(kv_env):
     start(kv_env, TRACKER=1, MIN_RESERVED_PAGES=1)
     before = set(threading.enumerate())
     m = manager()
     started = set(threading.enumerate()) - before
-    assert any(t.name.startswith("kvcached-publish") for t in started), started
+    assert [t.name for t in threading.enumerate()].count(THREAD_NAME) == 1
+    assert len(jobs_of(m)) == 3, POLLER.jobs()
     m.close()
     alive = [t.name for t in started if t.is_alive()]
     assert not alive, f"threads still running after close(): {alive}"
-    assert not m._pages.running
+    assert jobs_of(m) == [] and not m._pages.running
+
+
+def test_managers_of_a_process_share_one_poller_thread(kv_env):
+    """Four managers with trackers run one poller thread between them (not a publisher and a
+    watcher thread each), which publishes and answers limit requests for every one of them; closing
+    the last manager ends it."""
+    start(kv_env, TRACKER=1)
+    assert POLLER.jobs() == [], "a job of an earlier test is still scheduled"
+    managers = [manager(group_id=g, pool_name=f"p{g}") for g in range(4)]
+    (poller,) = [t for t in threading.enumerate() if t.name == THREAD_NAME]
+    assert len(POLLER.jobs()) == 3 * len(managers)      # publishing, heartbeat, limit requests each
+    for m in managers:
+        m.alloc(1)
+        ack = wait_for_ack(request_limit(m.ipc_name, 64 * m.page_bytes), timeout_s=30)
+        assert ack is not None and ack.ack_status == "applied", ack
+        deadline = time.monotonic() + 30
+        while read_segment(m.ipc_name).used_bytes != m.page_bytes:     # published by the poller
+            assert time.monotonic() < deadline, read_segment(m.ipc_name)
+            time.sleep(0.001)
+    for m in managers[:-1]:
+        m.close()
+        assert jobs_of(m) == [] and poller.is_alive()
+    managers[-1].close()
+    assert POLLER.jobs() == [] and not poller.is_alive()
+    assert THREAD_NAME not in [t.name for t in threading.enumerate()]
 
 
 # -- concurrent construction ------------------------------------------------------------------
@@ -241,7 +280,7 @@ def test_bad_limits_change_nothing(kv_env, tracker):
         assert m._pages.limit_pages == limit_pages
         if tracker:
             assert m._tracker.recorded_limit() == recorded
-            assert m._publisher.is_alive(), f"the publisher died after set_memory_limit({limit!r}, {revision!r})"
+            assert publishing(m), f"the publisher stopped after set_memory_limit({limit!r}, {revision!r})"
     # the largest values are accepted; the page limit is clamped to the table
     assert m.set_memory_limit(MAX_LIMIT_BYTES, revision=MAX_REVISION - 1)["status"] == "applied"
     assert m._pages.limit_pages == m._group.page_table.num_pages
@@ -285,7 +324,7 @@ def test_publisher_survives_a_failing_publish(kv_env, caplog):
     while "works again" not in caplog.text:
         assert time.monotonic() < deadline, caplog.text
         time.sleep(0.01)
-    assert m._publisher.is_alive()
+    assert publishing(m)
     assert caplog.text.count("publishing to segment") == 2, caplog.text     # once failing, once recovered
     tracker.publish = real_publish
 
@@ -369,7 +408,7 @@ def test_debug_checks_setting_is_honoured(kv_env):
 
 @pytest.fixture
 def budget_name():
-    from kvcached.budget import delete_budget
+    from kvcached.shm.budget import delete_budget
 
     name = f"test-lifecycle-{os.getpid()}-{time.monotonic_ns()}"
     yield name
@@ -382,7 +421,7 @@ def budget_name():
 def test_null_block_under_a_budget_closes_cleanly(kv_env, budget_name):
     """The null block's page is mapped through the budget gate, so close() gives back exactly
     what was taken (it used to be mapped before the gate existed, and close() raised)."""
-    from kvcached.budget import read_budget
+    from kvcached.shm.budget import read_budget
 
     start(kv_env, GLOBAL_BUDGET=budget_name, GLOBAL_BUDGET_BYTES=1 << 30)
     m = manager(reserve_null_block=True)
@@ -399,7 +438,7 @@ def test_available_size_counts_the_budget(kv_env, budget_name):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from kvcached.budget import Budget, set_budget
+    from kvcached.shm.budget import Budget, set_budget
 
     kv = start(kv_env, GLOBAL_BUDGET=budget_name, GLOBAL_BUDGET_BYTES=1 << 30, MAX_RESERVED_PAGES=1)
     m = manager()

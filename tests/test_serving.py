@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcached import core, init_kvcached, shutdown_kvcached
-from kvcached.budget import Budget, delete_budget, read_budget, set_budget
+from kvcached.shm.budget import Budget, delete_budget, read_budget, set_budget
 from kvcached.errors import KVCachedError
 from kvcached.serving import (
     ATTENTION_NAME,

@@ -19,10 +19,10 @@ import time
 import pytest
 
 from _procs import ENV, KvtopTerminal, kvctl, unique_name
-from kvcached import budget as kb
-from kvcached.budget import delete_budget, read_budget
 from kvcached.errors import KVCachedError
-from kvcached.mem_info_tracker import list_segments, read_segment
+from kvcached.shm import budget as kb
+from kvcached.shm.budget import delete_budget, read_budget
+from kvcached.shm.client import list_segments, read_segment
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_sharing_procs.py")
@@ -371,7 +371,7 @@ def test_segment_shows_applied_when_the_limit_is_met_while_the_watcher_answers()
     """The watcher writes its answer ("deferred") after the manager's apply returned; if the
     blocks are freed in between, the publisher's flip to "applied" must not be lost."""
     from kvcached import KVCacheManager, init_kvcached, shutdown_kvcached
-    from kvcached.mem_info_tracker import request_limit, wait_for_ack
+    from kvcached.shm.client import request_limit, wait_for_ack
 
     init_kvcached(device="cpu", page_size_bytes=64 << 10)
     try:

@@ -590,7 +590,7 @@ def test_lowered_limit_mid_run_shrinks_admission_and_never_raises(kv):
 def test_budget_shared_with_another_holder(kv):
     """Under KVCACHED_GLOBAL_BUDGET another holder of the budget takes memory: the pool's free
     count drops to what is left, all of it can be allocated, and it grows back on release."""
-    from kvcached.budget import Budget, delete_budget
+    from kvcached.shm.budget import Budget, delete_budget
 
     name = unique_name("vllm")
     kv(MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0, GLOBAL_BUDGET=name, GLOBAL_BUDGET_BYTES=8 * PAGE)
@@ -616,14 +616,14 @@ def test_budget_shared_with_another_holder(kv):
 
 
 def test_a_second_process_sharing_the_budget_lowers_the_free_count(kv):
-    from kvcached.budget import delete_budget
+    from kvcached.shm.budget import delete_budget
 
     name = unique_name("vllm")
     kv(MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0, GLOBAL_BUDGET=name, GLOBAL_BUDGET_BYTES=8 * PAGE)
     set_pool_geometry(SMALL_BLOCKS)
     other = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from kvcached.budget import Budget
+        from kvcached.shm.budget import Budget
         with Budget.open({name!r}) as budget:
             assert budget.try_acquire({4 * PAGE})
             print("held", flush=True)

@@ -1,7 +1,7 @@
 """kvctl: see every kvcached instance on this machine, change their limits, manage budgets.
 
-It reads and writes the instances' shared-memory segments (kvcached.mem_info_tracker) and the
-budget segments (kvcached.budget) directly; no daemon is involved. Exit status: 0 success,
+It reads and writes the instances' shared-memory segments (kvcached.shm.client) and the
+budget segments (kvcached.shm.budget) directly; no daemon is involved. Exit status: 0 success,
 1 bad input or unknown name, 2 usage error, 3 the instance rejected the request, 4 it did not
 answer within --timeout.
 """
@@ -15,7 +15,10 @@ import re
 import sys
 import time
 
-from ..budget import (
+from ..checks import as_int
+from ..errors import KVCachedError
+from ..limits import I64_MAX, NO_LIMIT
+from ..shm.budget import (
     BudgetSnapshot,
     delete_budget,
     gc_budgets,
@@ -24,12 +27,7 @@ from ..budget import (
     scan_budgets,
     set_budget,
 )
-from ..checks import as_int
-from ..errors import KVCachedError
-from ..mem_info_tracker import (
-    I64_MAX,
-    NO_LIMIT,
-    Snapshot,
+from ..shm.client import (
     delete_segment,
     gc_segments,
     read_segment,
@@ -37,6 +35,7 @@ from ..mem_info_tracker import (
     scan_segments,
     wait_for_ack,
 )
+from ..shm.segment import Snapshot
 from ..sizes import SIZE_HELP, format_bytes, parse_size
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_REJECTED, EXIT_TIMEOUT = 0, 1, 2, 3, 4

@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-from ..mem_info_tracker import Snapshot, list_segments
+from ..shm.client import list_segments
+from ..shm.segment import Snapshot
 from ..sizes import format_bytes
 from .kvctl import printable, state_of
 

@@ -17,9 +17,9 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from ..budget import delete_budget, read_budget, set_budget
 from ..errors import KVCachedError
-from ..mem_info_tracker import delete_segment, read_segment
+from ..shm.budget import delete_budget, read_budget, set_budget
+from ..shm.client import delete_segment, read_segment
 from ..sizes import format_bytes
 from . import plot
 from .instance import InstanceSpec, Workload, serve
@@ -111,7 +111,7 @@ class _Instance:
             self.process.join()
         self.conn.close()
         try:
-            delete_segment(self.spec.ipc_name)      # refuses a live owner; see Note [Telling a dead owner]
+            delete_segment(self.spec.ipc_name)      # refuses a live owner (Note [Telling a dead owner] in shm.files)
         except KVCachedError:
             pass                                # gone already: the instance shut down cleanly
 

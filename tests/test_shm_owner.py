@@ -1,4 +1,5 @@
-"""Tests of kvcached.mem_info_tracker: real segments under /dev/shm, real processes, no mocks."""
+"""Tests of kvcached.shm.owner (MemInfoTracker): real segments under /dev/shm, real processes, no
+mocks."""
 
 from __future__ import annotations
 
@@ -15,43 +16,16 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from _procs import ENV, Proc, unique_name
-from kvcached import mem_info_tracker as mit
+from _procs import ENV, Proc, poke_segment, unique_name
 from kvcached.errors import KVCachedConfigError, KVCachedError
-from kvcached.mem_info_tracker import (
-    I64_MAX,
-    NO_LIMIT,
-    MemInfoTracker,
-    classify_limit_request,
-    close_on_signals,
-    gc_segments,
-    list_segments,
-    read_segment,
-    request_limit,
-    split_limit,
-    wait_for_ack,
-)
-
+from kvcached.limits import NO_LIMIT
+from kvcached.shm import segment as seg
+from kvcached.shm.client import gc_segments, list_segments, read_segment, request_limit, wait_for_ack
+from kvcached.shm.owner import MemInfoTracker, close_on_signals
+from kvcached.shm.poller import POLLER
 
 pytestmark = pytest.mark.usefixtures("shm_clean")
-
-
-@pytest.fixture
-def tracker():
-    t = MemInfoTracker(unique_name("trk"), capacity_bytes=8 << 30, page_size_bytes=2 << 20)
-    yield t
-    t.close()
-
-
-def test_docstring_table_matches_layout():
-    rows = re.findall(r"^(\d+)\s+(char\[\d*\]|byte\[\]|u32|[iu]64)\s+(\w+|\(reserved\))\s",
-                      mit.__doc__, re.MULTILINE)
-    documented = {field: int(offset) for offset, _, field in rows if field != "(reserved)"}
-    assert documented == mit.OFFSETS
-    assert mit._LAYOUT.size == mit.SEGMENT_BYTES
 
 
 def test_round_trip_through_the_file(tracker):
@@ -66,10 +40,10 @@ def test_round_trip_through_the_file(tracker):
         tracker.name, os.getpid(), True, False, True)
     with open(tracker.path, "rb") as f:
         raw = f.read()
-    assert len(raw) == mit.SEGMENT_BYTES and raw[:4] == b"KVCT"
+    assert len(raw) == seg.SEGMENT_BYTES and raw[:4] == b"KVCT"
     for field, value in (("used_bytes", 3 << 20), ("limit_revision", 7), ("pid", os.getpid()),
                          ("capacity_bytes", 9 << 30), ("limit_status", 2)):
-        assert struct.unpack_from("=q", raw, mit.OFFSETS[field])[0] == value, field
+        assert struct.unpack_from("=q", raw, seg.OFFSETS[field])[0] == value, field
     assert raw[256:256 + len(tracker.name)] == tracker.name.encode()
     tracker.check_invariants()
 
@@ -125,17 +99,8 @@ def test_close_is_idempotent_and_publish_after_close_is_harmless():
         t.snapshot()
 
 
-def _poke(path: str, field: str, *values: int) -> None:
-    """Write i64 ``values`` at ``field``'s offset of a segment file, as another program could."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        os.pwrite(fd, struct.pack(f"={len(values)}q", *values), mit.OFFSETS[field])
-    finally:
-        os.close(fd)
-
-
 def test_check_invariants_catches_bad_usage(tracker):
-    _poke(tracker.path, "used_bytes", -1)
+    poke_segment(tracker.path, "used_bytes", -1)
     with pytest.raises(AssertionError, match="negative usage"):
         tracker.check_invariants()
 
@@ -151,62 +116,21 @@ def test_publish_refuses_figures_a_segment_cannot_hold(tracker, used, reserved):
     assert read_segment(tracker.name).mapped_bytes == 11
 
 
-def test_reader_never_sees_a_torn_publish():
-    """A writer process publishes used = reserved = k as fast as it can; every snapshot read
-    meanwhile that claims to be consistent must show equal values, rising. (A reader may give up
-    and say so, consistent=False, when the writer is inside on every attempt: on a loaded machine
-    a writer spinning flat out can starve it. That is liveness, not a torn read.)"""
-    name = unique_name("seqlock")
-    with Proc("writer", name, "1.5") as writer:
-        last, distinct = -1, set()
-        deadline = time.monotonic() + 1.2
-        while time.monotonic() < deadline:
-            snap = read_segment(name)
-            if not snap.consistent:
-                continue
-            assert snap.used_bytes == snap.reserved_bytes, snap
-            assert snap.used_bytes >= last
-            assert snap.usage_seq % 2 == 0
-            last = snap.used_bytes
-            distinct.add(last)
-        status, out, _ = writer.finish()
-    assert status == 0 and int(out.strip()) > 0
-    assert len(distinct) > 10  # the reader really ran against a moving writer
-
-
-def test_sigkilled_owner_is_stale_and_collected():
-    name = unique_name("kill")
-    with Proc("hold", name) as holder:
-        assert read_segment(name).alive
-        holder.kill(signal.SIGKILL)
-        snap = read_segment(name)
-    assert (snap.alive, snap.stale) == (False, True)
-    assert name in {s.name for s in list_segments() if s.stale}
-    assert gc_segments().get(name, "owner dead") == "owner dead"  # (or a concurrent gc took it)
-    with pytest.raises(KVCachedError, match="no kvcached instance named"):
-        read_segment(name)
-
-
 def test_silent_heartbeat_is_stale_but_never_collected():
     """An owner that is alive but whose heartbeat stopped (hung) is reported stale, not dead."""
     with MemInfoTracker(unique_name("hung"), heartbeat_interval_s=600) as t:
         while t.snapshot().heartbeat_ns == t.snapshot().created_ns:
-            time.sleep(0.001)  # the thread's first beat; the next is 600 s away
+            time.sleep(0.001)  # the first beat; the next is 600 s away
         fd = os.open(t.path, os.O_RDWR)
         try:
-            old_ns = time.time_ns() - int(2 * mit.STALE_AFTER_S * 1e9)
-            os.pwrite(fd, struct.pack("=q", old_ns), mit.OFFSETS["heartbeat_ns"])
+            old_ns = time.time_ns() - int(2 * seg.STALE_AFTER_S * 1e9)
+            os.pwrite(fd, struct.pack("=q", old_ns), seg.OFFSETS["heartbeat_ns"])
         finally:
             os.close(fd)
         snap = read_segment(t.name)
         assert (snap.alive, snap.stale) == (True, True)
-        assert snap.heartbeat_age_s > mit.STALE_AFTER_S
+        assert snap.heartbeat_age_s > seg.STALE_AFTER_S
         assert t.name not in gc_segments()
-
-
-def test_gc_keeps_live_segments(tracker):
-    assert tracker.name not in gc_segments()
-    assert read_segment(tracker.name).alive
 
 
 def test_dead_owners_name_is_taken_over():
@@ -222,7 +146,7 @@ def test_dead_owners_name_is_taken_over():
 
 _HANDLERS = """
 import json, signal, sys
-from kvcached.mem_info_tracker import MemInfoTracker
+from kvcached.shm.owner import MemInfoTracker
 if sys.argv[2] == "engine-first":  # the engine installs its handlers before kvcached is used
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -245,8 +169,8 @@ def test_making_a_tracker_installs_no_signal_handler(order):
     assert result.returncode == 0, result.stderr
     handlers = json.loads(result.stdout)
     assert handlers["after"] == handlers["before"], handlers
-    assert not os.path.exists(mit.segment_path(name))  # removed at exit, by atexit
-    assert not os.path.exists(mit.segment_path(name + ".b"))
+    assert not os.path.exists(seg.segment_path(name))  # removed at exit, by atexit
+    assert not os.path.exists(seg.segment_path(name + ".b"))
 
 
 def test_sigterm_kills_at_once_and_gc_collects_the_segment():
@@ -292,7 +216,7 @@ def test_normal_exit_unlinks():
 
 _OPTED_IN = """
 import sys
-from kvcached.mem_info_tracker import MemInfoTracker, close_on_signals
+from kvcached.shm.owner import MemInfoTracker, close_on_signals
 tracker = MemInfoTracker(sys.argv[1], heartbeat_interval_s=float(sys.argv[2]))
 close_on_signals()
 print("READY", flush=True)
@@ -321,12 +245,12 @@ def _opted_in_and_killed(name: str, heartbeat_s: str, signum: int) -> int:
 
 @pytest.mark.parametrize("attempt", range(3))
 def test_opted_in_sigterm_in_the_middle_of_a_write_still_kills_and_unlinks(attempt):
-    """close_on_signals(): the main thread publishes flat out while the background thread beats
+    """close_on_signals(): the main thread publishes flat out while the poller thread beats
     every millisecond (waiting for the write lock): SIGTERM must still end the process at once,
     segment removed, instead of waiting on a thread that waits on it."""
     name = unique_name("termwrite")
     assert _opted_in_and_killed(name, "0.001", signal.SIGTERM) == -signal.SIGTERM
-    assert not os.path.exists(mit.segment_path(name))
+    assert not os.path.exists(seg.segment_path(name))
 
 
 def test_close_on_signals_refuses_what_it_cannot_install():
@@ -401,109 +325,6 @@ def test_failing_callback_is_acknowledged_as_error(tracker):
     assert ack.ack_status == "error"
 
 
-def test_request_validation(tracker):
-    with pytest.raises(KVCachedConfigError, match="limit_bytes=-2"):
-        request_limit(tracker.name, -2)
-    with pytest.raises(KVCachedConfigError, match="revision=-2"):
-        request_limit(tracker.name, 0, revision=-2)
-    with pytest.raises(KVCachedError, match="no kvcached instance named"):
-        request_limit(unique_name("missing"), 0)
-    assert read_segment(tracker.name).request_seq == 0
-
-
-def test_classify_limit_request():
-    assert classify_limit_request(100, 5, 50, 4) == "stale"
-    assert classify_limit_request(100, 5, 50, 5) == "conflict"
-    assert classify_limit_request(100, 5, 100, 5) == "same"
-    assert classify_limit_request(100, 5, 0, 6) == "new"
-
-
-def test_split_limit_examples():
-    assert split_limit(10, [1, 1, 1]) == [4, 3, 3]
-    assert split_limit(10 << 20, [3 << 30, 1 << 30], page_size_bytes=2 << 20) == [8 << 20,
-                                                                                2 << 20]
-    assert split_limit(7, [0, 5]) == [0, 7]
-    assert split_limit(7, [0, 0]) == [4, 3]
-    assert split_limit(NO_LIMIT, [1, 2]) == [NO_LIMIT, NO_LIMIT]
-    assert split_limit(5, []) == []
-    with pytest.raises(KVCachedConfigError):
-        split_limit(-2, [1])
-
-
-@settings(max_examples=200, deadline=None)
-@given(limit=st.integers(0, 1 << 40), page=st.sampled_from([0, 1, 4096, 2 << 20]),
-       capacities=st.lists(st.integers(0, 1 << 36), min_size=1, max_size=8))
-def test_split_limit_properties(limit, page, capacities):
-    shares = split_limit(limit, capacities, page)
-    unit = page or 1
-    assert sum(shares) == limit // unit * unit
-    assert all(s % unit == 0 and s >= 0 for s in shares)
-    weights = capacities if sum(capacities) else [1] * len(capacities)
-    for share, weight in zip(shares, weights):
-        exact = (limit // unit) * weight / sum(weights)
-        assert abs(share // unit - exact) < 1 + 1e-6 * exact
-
-
-# -- values a segment cannot hold, and requests no operator can make --------------------------
-
-@pytest.fixture(scope="module")
-def shared_tracker():
-    t = MemInfoTracker(unique_name("shared"))
-    yield t
-    t.close()
-
-
-def _request_block(path: str) -> bytes:
-    with open(path, "rb") as f:
-        raw = f.read()
-    return raw[mit.OFFSETS["request_seq"]:mit.OFFSETS["request_ns"] + 8]
-
-
-_INTS = st.one_of(st.integers(-(1 << 70), 1 << 70), st.sampled_from(
-    [-2, -1, 0, I64_MAX, I64_MAX + 1, 1 << 63, 99999999999999999999]))
-
-
-@settings(max_examples=150, deadline=None)
-@given(limit=st.one_of(_INTS, st.sampled_from([True, 1.5, float("nan"), float("inf"), "1",
-                                                np.int64(7), np.uint64(1 << 63)])),
-       revision=st.one_of(st.none(), _INTS, st.sampled_from([False, 2.0, np.int32(3)])))
-def test_request_limit_writes_only_what_a_segment_holds(shared_tracker, limit, revision):
-    """A request within [NO_LIMIT, I64_MAX] x [0, I64_MAX] is written whole; anything else is
-    refused with KVCachedConfigError naming the value, and the request block is untouched (the
-    sequence even)."""
-    path = shared_tracker.path
-    before = _request_block(path)
-    valid_limit = (not isinstance(limit, (bool, float, str))
-                   and NO_LIMIT <= int(limit) <= I64_MAX)
-    valid_revision = revision is None or (not isinstance(revision, (bool, float))
-                                          and 0 <= int(revision) <= I64_MAX)
-    last = read_segment(shared_tracker.name)
-    if valid_limit and valid_revision and revision is None and max(
-            last.limit_revision, last.request_revision) == I64_MAX:
-        with pytest.raises(KVCachedError, match="no next revision"):
-            request_limit(shared_tracker.name, limit, revision)
-        assert _request_block(path) == before
-        return
-    if valid_limit and valid_revision:
-        request = request_limit(shared_tracker.name, limit, revision)
-        snap = read_segment(shared_tracker.name)
-        assert (snap.request_limit_bytes, snap.request_seq) == (int(limit), request.request_seq)
-        assert snap.request_seq % 2 == 0
-        return
-    with pytest.raises(KVCachedConfigError, match="limit_bytes=|revision=") as info:
-        request_limit(shared_tracker.name, limit, revision)
-    assert repr(limit if not valid_limit else revision) in str(info.value)
-    assert _request_block(path) == before
-
-
-def test_no_revision_past_the_largest(tracker):
-    _poke(tracker.path, "limit_revision", I64_MAX)
-    before = _request_block(tracker.path)
-    with pytest.raises(KVCachedError, match="no next revision"):
-        request_limit(tracker.name, 1 << 20)
-    assert _request_block(tracker.path) == before
-
-
 def _wait(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -516,8 +337,8 @@ def test_watcher_survives_requests_no_operator_can_make(tracker):
     tracker.start_watcher(recorder)
     for limit, revision in ((-7, 1), (5, -1)):  # written by another program, not by kvctl
         seq = read_segment(tracker.name).request_seq + 2
-        _poke(tracker.path, "request_limit_bytes", limit, revision)
-        _poke(tracker.path, "request_seq", seq)
+        poke_segment(tracker.path, "request_limit_bytes", limit, revision)
+        poke_segment(tracker.path, "request_seq", seq)
         _wait(lambda seq=seq: read_segment(tracker.name).ack_request_seq == seq,
               what="the answer")
         assert read_segment(tracker.name).ack_status == "error"
@@ -530,7 +351,7 @@ def test_watcher_survives_requests_no_operator_can_make(tracker):
     tracker.start_watcher(Huge())  # a callback answering what no segment holds
     ack = wait_for_ack(request_limit(tracker.name, 1 << 20), timeout_s=30)
     assert ack.ack_status == "error" and ack.consistent
-    tracker.start_watcher(recorder)  # the thread is still alive and answers
+    tracker.start_watcher(recorder)  # the poller still runs and answers
     ack = wait_for_ack(request_limit(tracker.name, 2 << 20), timeout_s=30)
     assert (ack.ack_status, ack.limit_bytes) == ("applied", 2 << 20)
     tracker.check_invariants()
@@ -538,8 +359,14 @@ def test_watcher_survives_requests_no_operator_can_make(tracker):
 
 # -- close ------------------------------------------------------------------------------------
 
+def jobs_of(t: MemInfoTracker) -> list[str]:
+    """The tracker's jobs on the process's poller."""
+    return [what for what in POLLER.jobs() if what.startswith(f"tracker {t.name}:")]
+
+
 def test_close_waits_for_the_watcher_to_end():
     t = MemInfoTracker(unique_name("join"))
+    assert jobs_of(t) == [f"tracker {t.name}: heartbeat"]
     entered, release = threading.Event(), threading.Event()
 
     def blocking(limit_bytes, revision):
@@ -556,7 +383,7 @@ def test_close_waits_for_the_watcher_to_end():
     assert closer.is_alive()  # still waiting for the callback in progress
     release.set()
     closer.join(30)
-    assert not closer.is_alive() and not t._thread.is_alive()
+    assert not closer.is_alive() and jobs_of(t) == []
     assert not os.path.exists(t.path)
 
 
@@ -565,15 +392,14 @@ def test_close_from_the_callback_and_from_many_threads():
     closed = threading.Event()
 
     def closing(limit_bytes, revision):
-        t.close()  # from the watcher itself: must not wait for itself
+        t.close()  # from the poller thread, in its own job: must not wait for itself
         closed.set()
         return {"status": "applied"}
 
     t.start_watcher(closing)
     request_limit(t.name, 1 << 20)
     assert closed.wait(30)
-    t._thread.join(30)
-    assert not t._thread.is_alive() and not os.path.exists(t.path)
+    assert jobs_of(t) == [] and not os.path.exists(t.path)
 
     t = MemInfoTracker(unique_name("manyclose"))
     closers = [threading.Thread(target=t.close) for _ in range(8)]
@@ -581,7 +407,7 @@ def test_close_from_the_callback_and_from_many_threads():
         c.start()
     for c in closers:
         c.join(30)
-    assert not any(c.is_alive() for c in closers) and not t._thread.is_alive()
+    assert not any(c.is_alive() for c in closers) and jobs_of(t) == []
     assert not os.path.exists(t.path)
 
 
@@ -593,7 +419,7 @@ def _truncate(path, size):
 
 def _regrow(path):
     os.truncate(path, 0)
-    os.truncate(path, mit.SEGMENT_BYTES)  # the right size again, all zeros
+    os.truncate(path, seg.SEGMENT_BYTES)  # the right size again, all zeros
 
 
 def _scribble(path):
@@ -640,22 +466,9 @@ def test_owner_survives_any_change_to_its_file(change, detaches):
         assert err.count("no longer publishes") == 1  # one warning
 
 
-def test_gc_removes_files_that_are_not_segments():
-    short, foreign = (mit.segment_path(unique_name(tag)) for tag in ("short", "foreign"))
-    with open(short, "wb") as f:
-        f.write(b"KVCT")
-    with open(foreign, "wb") as f:
-        f.write(b"\x1b]0;pwned\x07".ljust(mit.SEGMENT_BYTES, b"\0"))
-    removed = gc_segments()
-    for path in (short, foreign):  # removed by this gc (or by a concurrent test's)
-        assert not os.path.exists(path)
-        assert removed.get(os.path.basename(path)[len(mit.SEGMENT_PREFIX):],
-                           "not a valid segment") == "not a valid segment"
-
-
 def test_a_file_that_is_not_a_segment_is_taken_over():
     name = unique_name("takeinvalid")
-    with open(mit.segment_path(name), "wb") as f:
+    with open(seg.segment_path(name), "wb") as f:
         f.write(b"")
     with MemInfoTracker(name) as t:
         t.check_invariants()
@@ -664,15 +477,15 @@ def test_a_file_that_is_not_a_segment_is_taken_over():
 # -- memory ordering ----------------------------------------------------------------------------
 
 def test_fence_only_where_the_cpu_needs_one(monkeypatch, tracker):
-    assert mit.fence_for("x86_64") is None
+    assert seg.fence_for("x86_64") is None
     try:
-        fence = mit.fence_for("aarch64")  # libatomic's fence, as on Grace
+        fence = seg.fence_for("aarch64")  # libatomic's fence, as on Grace
     except OSError:
         fence = None
     if fence is None:
         pytest.skip("libatomic.so.1 is not installed")
     calls = []
-    monkeypatch.setattr(mit, "_FENCE", lambda: (calls.append(1), fence()))
+    monkeypatch.setattr(seg, "FENCE", lambda: (calls.append(1), fence()))
     tracker.start_watcher(Recorder())
     tracker.publish(7, 8)
     ack = wait_for_ack(request_limit(tracker.name, 1 << 20), timeout_s=30)

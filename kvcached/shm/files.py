@@ -1,9 +1,9 @@
-"""Shared-memory files and process identity, shared by the segment tracker and the budget.
+"""Shared-memory files and process identity, shared by the instance segments and the budgets.
 
 Both keep one small file per object under ``/dev/shm``, name it after the object, create it
 complete (never half-initialised), and tell a dead owner from a live one by pid, start time and
-pid namespace. This module is the one place those rules live (``mem_info_tracker`` and ``budget``
-import them; nothing here imports either).
+pid namespace. This module is the one place those rules live (``segment``, ``owner``, ``client``
+and ``budget`` import them; nothing here imports any of them).
 
 Pure Python, imports neither torch nor the compiled core (``kvctl`` must start fast). Linux only
 (``/dev/shm``, ``/proc``).
@@ -15,12 +15,11 @@ import fcntl
 import os
 from collections.abc import Callable
 
-from .errors import KVCachedConfigError, KVCachedError
+from ..config import MAX_NAME_BYTES
+from ..errors import KVCachedConfigError, KVCachedError
 
 SHM_DIR = "/dev/shm"
 TMP_PREFIX = ".kvcached-tmp."
-MAX_NAME_BYTES = 200
-I64_MAX = (1 << 63) - 1  # the largest value an i64 field holds
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,9 +26,9 @@ Protocol (every process follows it; readers included):
   ``budget_bytes`` below ``held_bytes`` takes nothing back: acquisitions fail until holders
   release enough.
 * A slot is free when its pid is 0. A handle claims one at ``Budget.open`` and frees it at
-  ``close`` (releasing what it holds). A background thread per process refreshes the heartbeat of
-  each of its slots every ``stale_after_s / 8``. A slot is dead when its process is (see Note
-  [Telling a dead owner] in _shm) or, for a process of another pid namespace (another
+  ``close`` (releasing what it holds). The process's poller refreshes the heartbeat of each of
+  its slots every ``stale_after_s / 8``. A slot is dead when its process is (see Note
+  [Telling a dead owner] in files) or, for a process of another pid namespace (another
   container), whose life cannot be checked, when its heartbeat is older than the budget's
   ``stale_after_s`` (Note [Slot heartbeats]). A dead slot is reclaimed: its bytes are taken back
   and added to ``recovered_bytes``. A live process of this namespace is never reclaimed, however
@@ -72,8 +72,10 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ._shm import (
-    I64_MAX,
+from ..checks import as_int
+from ..errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
+from ..limits import I64_MAX
+from .files import (
     SHM_DIR,
     create_exclusive,
     own_identity,
@@ -82,8 +84,7 @@ from ._shm import (
     replace_if_dead,
     validate_name,
 )
-from .checks import as_int
-from .errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
+from .poller import POLLER
 
 log = logging.getLogger("kvcached")
 
@@ -165,7 +166,7 @@ def _identity(slot: _Slot) -> _Identity:
 class _Segment:
     """An open budget file, read with pread and written with pwrite (never mapped: a mapping of a
     file another program truncates faults, see Note [A segment changed by another process] in
-    mem_info_tracker). Callers hold its flock to change it."""
+    segment). Callers hold its flock to change it."""
 
     def __init__(self, name: str, path: str) -> None:
         self.name, self.path = name, path
@@ -516,75 +517,12 @@ def delete_budget(name: str, force: bool = False) -> None:
         raise KVCachedError(f"cannot remove budget {name!r}: {path}: {exc.strerror}") from None
 
 
-class _Heartbeat:
-    """One thread per process refreshes the heartbeat word of every open handle's slot.
-
-    Lock contract: ``self._lock`` guards the set of handles and is held through each round of
-    beats, so once ``remove`` returns the thread never touches that handle again. The thread
-    runs while at least one handle is open; the last ``remove`` joins it.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._handles: set[Budget] = set()
-        self._thread: threading.Thread | None = None
-        self._wake = threading.Event()
-
-    def add(self, handle: Budget) -> None:
-        with self._lock:
-            self._handles.add(handle)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="kvcached-budget-heartbeat")
-                self._thread.start()
-        self._wake.set()  # a shorter interval may apply now
-
-    def remove(self, handle: Budget) -> None:
-        with self._lock:
-            self._handles.discard(handle)
-            thread = None
-            if not self._handles:
-                thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            self._wake.set()
-            thread.join()
-
-    def _run(self) -> None:
-        me = threading.current_thread()
-        while True:
-            with self._lock:
-                if self._thread is not me:
-                    return
-                now = time.time_ns()
-                for handle in self._handles:
-                    try:
-                        handle._beat(now)
-                    except (OSError, KVCachedError):
-                        pass  # a broken file: its holder hears of it at its next acquire
-                interval_s = min(h._beat_every_s for h in self._handles)
-            self._wake.wait(interval_s)
-            self._wake.clear()
-
-    def after_fork_in_child(self) -> None:
-        """The child has no heartbeat thread, and its inherited handles are not its own."""
-        self._lock = threading.Lock()
-        self._handles = set()
-        self._thread = None
-        self._wake = threading.Event()
-
-
-_heartbeat = _Heartbeat()
-
-
-os.register_at_fork(after_in_child=_heartbeat.after_fork_in_child)
-
-
 class Budget:
     """This process's handle on a shared budget: acquire and release bytes against it.
 
     Lock contract: public methods take ``self._lock`` (threads of this process) and then the
     segment's flock (other processes); private ones assume both, except ``_beat`` (the heartbeat
-    thread's one pwrite) and ``free_bytes`` (one pread), which take neither.
+    job's one pwrite) and ``free_bytes`` (one pread), which take neither.
 
     Use ``Budget.open``; acquire in batches (several pages per call) on the allocator's path.
     A handle belongs to the process that opened it: a forked child must open its own (it would
@@ -604,7 +542,8 @@ class Budget:
         self._broken = False  # the file stopped being a budget (warned once)
         self._beat_every_s = segment.stale_after_ns() / 8e9
         atexit.register(self.close)
-        _heartbeat.add(self)
+        self._heartbeat = POLLER.every(self._beat_every_s, self._beat,
+                                       f"budget {self.name}: slot {slot}'s heartbeat")
 
     @classmethod
     def open(cls, name: str, budget_bytes: int | None = None, *,
@@ -783,11 +722,14 @@ class Budget:
         seg.write(_W_HELD, held + nbytes)
         self._held += nbytes
 
-    def _beat(self, now_ns: int) -> None:
-        """The heartbeat thread's pwrite into this handle's slot (while it is still ours)."""
+    def _beat(self) -> None:
+        """The heartbeat job's pwrite into this handle's slot (while it is still ours)."""
         base = _slot_word(self._slot, 0)
-        if self._seg.word(base + _SLOT_TOKEN) == self._token:
-            self._seg.write(base + _SLOT_HEARTBEAT, now_ns)
+        try:
+            if self._seg.word(base + _SLOT_TOKEN) == self._token:
+                self._seg.write(base + _SLOT_HEARTBEAT, time.time_ns())
+        except (OSError, KVCachedError):
+            pass  # a broken file: its holder hears of it at its next acquire
 
     @staticmethod
     def _check_amount(nbytes: object) -> int:
@@ -832,13 +774,13 @@ class Budget:
             raise AssertionError(f"budget {self.name!r}: " + "; ".join(problems))
 
     def close(self) -> None:
-        """Release everything this handle holds and free its slot; the last handle of the
-        process also stops (and joins) the heartbeat thread. Idempotent.
+        """Release everything this handle holds and free its slot, after taking its heartbeat job
+        off the poller. Idempotent.
 
         A forked child that inherited the handle leaves its parent's slot alone.
         """
         if pid_now[0] == self._pid:
-            _heartbeat.remove(self)  # after this the heartbeat thread never touches the handle
+            self._heartbeat.cancel()  # after this no heartbeat touches the handle
         with self._lock:
             if self._closed:
                 return
@@ -890,14 +832,14 @@ class Budget:
 # Note [Slot heartbeats]
 # ~~~~~~~~~~~~~~~~~~~~~~
 # In this pid namespace a slot's pid and start time tell exactly whether its holder lives (Note
-# [Telling a dead owner]): a live holder is never reclaimed, even a stopped or hung one, whose
+# [Telling a dead owner] in files): a live holder is never reclaimed, even a stopped or hung one, whose
 # memory is still mapped. A holder in another pid namespace (another container sharing /dev/shm)
-# cannot be checked that way: its pid means another process here. So every process beats: one
-# thread stores the time into each of its slots every stale_after_s / 8 (1.25 s by default), and
+# cannot be checked that way: its pid means another process here. So every process beats: its
+# poller stores the time into each of its slots every stale_after_s / 8 (1.25 s by default), and
 # a foreign holder whose heartbeat is older than the budget's stale_after_s (10 s by default, set
 # at creation, at least MIN_STALE_AFTER_S) is dead. Staleness bound: a crashed foreign holder's
 # share comes back at the first reclaim after stale_after_s; a live foreign holder is reclaimed
-# only if its heartbeat thread cannot run for stale_after_s (the process frozen that long), and
+# only if its poller cannot run for stale_after_s (the process frozen that long), and
 # then its next acquire or release fails loudly (its slot token changed) instead of counting
 # twice. The beat is one aligned store without the flock; it checks the slot's token first, so it
 # never refreshes a slot that was reclaimed and handed to another holder (but for the instant

@@ -1,4 +1,4 @@
-"""Tests of kvcached.budget: real processes sharing one budget segment, no mocks."""
+"""Tests of kvcached.shm.budget: real processes sharing one budget segment, no mocks."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from _procs import Proc, unique_name
-from kvcached import budget as kb
-from kvcached.budget import (
+from kvcached.errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
+from kvcached.shm import budget as kb
+from kvcached.shm.budget import (
     Budget,
     delete_budget,
     gc_budgets,
@@ -30,7 +31,7 @@ from kvcached.budget import (
     scan_budgets,
     set_budget,
 )
-from kvcached.errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
+from kvcached.shm.poller import POLLER, THREAD_NAME
 
 MiB = 1 << 20
 
@@ -404,16 +405,17 @@ def test_live_holder_of_this_namespace_is_never_reclaimed(name):
             os.kill(hog.pid, signal.SIGCONT)
 
 
-def test_heartbeat_thread_runs_while_a_handle_is_open(name):
+def test_the_poller_beats_while_a_handle_is_open(name):
     set_budget(name, MiB, stale_after_s=kb.MIN_STALE_AFTER_S)
     with Budget.open(name) as b:
         first = read_budget(name).holders[0].heartbeat_ns
         _wait(lambda: read_budget(name).holders[0].heartbeat_ns > first, what="a beat")
-        thread = kb._heartbeat._thread
-        assert thread is not None and thread.is_alive()
+        (thread,) = [t for t in threading.enumerate() if t.name == THREAD_NAME]
+        assert f"budget {name}: slot {b._slot}'s heartbeat" in POLLER.jobs()
         b.try_acquire(1)
-    if not kb._heartbeat._handles:  # no other handle of this process is open
-        assert kb._heartbeat._thread is None and not thread.is_alive()  # the last close joined it
+    assert not [what for what in POLLER.jobs() if what.startswith(f"budget {name}:")]
+    if not POLLER.jobs():  # no other job in this process: the last cancel joined the thread
+        assert not thread.is_alive()
 
 
 # -- no /proc under the flock ---------------------------------------------------------------------
