@@ -36,7 +36,6 @@ from .errors import (
     KVCachedConfigError,
     KVCachedError,
     KVCachedTPError,
-    KVCachePoolExhausted,
     MappingError,
     OutOfDeviceMemory,
 )
@@ -59,7 +58,6 @@ __all__ = sorted(_LAZY) + [
     "KVCachedConfigError",
     "KVCachedError",
     "KVCachedTPError",
-    "KVCachePoolExhausted",
     "MappingError",
     "OutOfDeviceMemory",
 ]
