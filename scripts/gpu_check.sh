@@ -52,7 +52,7 @@ EOF
 }
 
 step_build() {
-    # /usr/bin g++: an /opt/gcc build of a C++ extension crashed in libstdc++ (DESIGN.md section 3).
+    # /usr/bin g++: an /opt/gcc build of a C++ extension crashed in libstdc++ (docs/design.md, Build).
     CC=/usr/bin/gcc CXX=/usr/bin/g++ "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -e . &&
         "$PYTHON" -c "from kvcached import _core; print('probe:', _core.cuda_unavailable_reason())"
 }
