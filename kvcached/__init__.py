@@ -18,6 +18,7 @@ The layers, each calling only the ones below it (tests/test_layers.py checks the
 Each compiled module cimports only the ones below it through their .pxd contracts.
 Beside them: layout.py (where each block lives in the ranges), mem_info_tracker.py and budget.py
 (shared-memory segments, over _shm.py), and errors, config, checks, sizes at the bottom.
+docs/design.md describes each layer, its invariants and the measurements behind it.
 
 The public API is re-exported here lazily, so that ``kvctl`` and the tracker import neither torch
 nor the compiled core. Importing the package also gives a manager made without a registry the
