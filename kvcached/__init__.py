@@ -19,6 +19,7 @@ Each compiled module cimports only the ones below it through their .pxd contract
 Beside them: layout.py (where each block lives in the ranges), limits.py (the limit arithmetic),
 shm/ (the shared-memory segments, the budgets and the one poller thread: shm/__init__.py says
 which file holds what), and errors, config, checks, sizes at the bottom.
+docs/design.md describes each layer, its invariants and the measurements behind it.
 
 The public API is re-exported here lazily, so that ``kvctl`` and the tracker import neither torch
 nor the compiled core. Importing the package also gives a manager made without a registry the
@@ -37,7 +38,6 @@ from .errors import (
     KVCachedConfigError,
     KVCachedError,
     KVCachedTPError,
-    KVCachePoolExhausted,
     MappingError,
     OutOfDeviceMemory,
 )
@@ -60,7 +60,6 @@ __all__ = sorted(_LAZY) + [
     "KVCachedConfigError",
     "KVCachedError",
     "KVCachedTPError",
-    "KVCachePoolExhausted",
     "MappingError",
     "OutOfDeviceMemory",
 ]

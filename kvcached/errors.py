@@ -1,7 +1,10 @@
 """Exception hierarchy of kvcached.
 
 Out of memory inside the allocator is a value (``alloc`` returns None); these exceptions are for
-everything else, and for callers of the low-level backends that asked for memory directly.
+everything else, and for callers of the low-level backends that asked for memory directly. So
+there is no "pool exhausted" exception: a request that cannot be served, now or ever, gets None
+(``ElasticBlockPool.get_new_blocks`` raises vLLM's ValueError, as vLLM's own pool does). Every
+exception here is a KVCachedError.
 """
 
 
@@ -23,10 +26,6 @@ class KVCachedClosedError(KVCachedError):
     """The object was closed (``close()``, ``shutdown_kvcached()``) or was inherited by a forked
     child; it touches no memory any more. The message names what to make instead. Nothing was
     changed."""
-
-
-class KVCachePoolExhausted(ValueError):
-    """The request can never be satisfied by this pool (more blocks than it can ever hold)."""
 
 
 class DriverUnavailableError(KVCachedError):
@@ -70,7 +69,6 @@ __all__ = [
     "KVCachedConfigError",
     "KVCachedArgumentError",
     "KVCachedClosedError",
-    "KVCachePoolExhausted",
     "DriverUnavailableError",
     "DriverError",
     "OutOfDeviceMemory",

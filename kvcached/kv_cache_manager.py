@@ -172,7 +172,8 @@ class KVCacheManager:
     live manager (Note [One manager per group]), a segment name another manager of this process
     uses, a world_size other than 1 or init_kvcached's, a tp_rank > 0 (see Note [Tensor-parallel
     manager]) or async_sched=True. A failed constructor leaves nothing behind. ``registry`` is
-    the runtime's (the default); see Note [One registry].
+    the runtime's (the default); see Note [One registry]. ``pp_rank`` (an int >= 0) is accepted
+    for compatibility with engines that pass it, and not kept: nothing depends on it.
     """
 
     _pages: PageAllocator                   # set by _build; absent if construction failed first
@@ -187,7 +188,7 @@ class KVCacheManager:
                  registry: Registry | None = None) -> None:
         num_blocks, block_size, cell_size, num_layers, num_kv_buffers, group_id = check_geometry(
             num_blocks, block_size, cell_size, num_layers, num_kv_buffers, group_id)
-        self.pp_rank = as_int(pp_rank, "pp_rank", minimum=0)
+        as_int(pp_rank, "pp_rank", minimum=0)      # accepted for engines, not kept (see the class docstring)
         world_size = as_int(world_size, "world_size", minimum=1, hint="1, or init_kvcached's world_size")
         refuse_async_sched(async_sched)
         if pool_name is not None and not isinstance(pool_name, str):

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from .checks import as_int
+from .checks import as_int, check_kv_layout
 from .errors import KVCachedConfigError
 
 if TYPE_CHECKING:
@@ -64,7 +64,6 @@ _Range = TypeVar("_Range")  # a VirtualRange; check_invariants passes range indi
 
 LAYOUT_NAMES = ("per_layer", "interleaved", "page_grouped")
 SHAPE_KINDS = ("flash_attn", "flashinfer", "mla")
-KV_LAYOUTS = ("NHD", "HND")
 BACKEND_KINDS = ("cuda", "host")
 
 _MAX_BLOCK_ID = 1 << 31  # block ids cross into the allocator as int32
@@ -232,8 +231,7 @@ class KVLayout:
 
         if shape_kind not in SHAPE_KINDS:
             raise KVCachedConfigError(f"shape_kind={shape_kind!r} is unknown; use one of {', '.join(SHAPE_KINDS)}")
-        if kv_layout not in KV_LAYOUTS:
-            raise KVCachedConfigError(f"kv_layout={kv_layout!r} is unknown; use NHD or HND")
+        check_kv_layout(kv_layout, has_heads=shape_kind != "mla")
         wanted_buffers = 1 if shape_kind == "mla" else 2
         if self.num_kv_buffers != wanted_buffers:
             raise KVCachedConfigError(
@@ -241,8 +239,6 @@ class KVLayout:
                 f"{self.num_kv_buffers}; use {'mla' if self.num_kv_buffers == 1 else 'flash_attn or flashinfer'}")
         block_shape = tuple(as_int(d, f"block_shape[{i}]", minimum=1) for i, d in enumerate(block_shape))
         if shape_kind == "mla":
-            if kv_layout != "NHD":
-                raise KVCachedConfigError("kv_layout='HND' has no meaning for MLA (no head dimension); use NHD")
             if not block_shape or min(block_shape) <= 0:
                 raise KVCachedConfigError(f"block_shape={block_shape} must be positive sizes, e.g. (block_size, dim)")
             inner = block_shape
@@ -489,19 +485,19 @@ def choose_layout(requested: str, backend_kind: str, needs_joint_kv: bool = Fals
 
 
 # Note [Per-layer ranges]
-# DESIGN section 5 speaks of one range per (layer, K/V). We reserve one range per *layer* and put
-# buffer k at offset k * num_pages * P inside it: torch.as_strided views one storage, and the
-# FlashAttention tensor (2, N, ...) of a layer spans K and V, so K and V must lie in one
-# reservation at a fixed distance. The page table still sees 2*L segments (one per layer and
-# buffer), so the mapping count, and everything measured about it, is that of the design. The
-# reference project (non-contiguous mode) does the same.
+# The plain per_layer design is one range per (layer, K/V) buffer. We reserve one range per
+# *layer* and put buffer k at offset k * num_pages * P inside it: torch.as_strided views one
+# storage, and the FlashAttention tensor (2, N, ...) of a layer spans K and V, so K and V must lie
+# in one reservation at a fixed distance. The page table still sees 2*L segments (one per layer
+# and buffer), so the mapping count, and everything measured about it (docs/design.md, Layouts),
+# is that of the plain design. The reference project (non-contiguous mode) does the same.
 #
 # Note [Page-grouped ids]
 # page_grouped stores page p as [layer][buffer][slot] with bpp = P // B slots per buffer. To give
 # every layer one uniform-stride tensor (what attention kernels take), block ids are sparse:
 # id = p * ids_per_page + slot with ids_per_page = L*K*bpp, so that row `id` of layer l, buffer k
 # sits at id*B + (l*K + k)*P — a single stride B per row and a fixed base per (layer, buffer).
-# How this differs from the plain contract (DESIGN section 7):
+# How this differs from the plain contract (KVCacheManager's docstring: ids [0, num_blocks)):
 #   - ids are not [0, num_blocks): page p hands out [p*ids_per_page, p*ids_per_page + bpp) only;
 #     max_block_id = (num_pages - 1) * ids_per_page + bpp, about L*K times num_blocks;
 #   - every view's block dimension is max_block_id rows, i.e. num_pages * ids_per_page minus the

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from . import config
 from ._steps import Steps
-from .checks import as_int
+from .checks import as_int, check_kv_layout
 from .errors import KVCachedClosedError, KVCachedConfigError
 from .kv_cache_manager import (
     Group,
@@ -69,8 +69,6 @@ class _Runtime:
     device: str
     page_bytes: int
     tp_rank: int
-    pp_rank: int
-    is_worker: bool
     world_size: int = 1
     tp: Leader | Follower | None = None     # world_size > 1: rank 0 leads, the others follow
     groups: dict = field(default_factory=dict)
@@ -145,7 +143,9 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
     device: "cuda:N", "cuda" or "cpu"; None = the current CUDA device if CUDA is usable, else the
     host backend. page_size_bytes overrides KVCACHED_PAGE_SIZE_MB (tests use small pages), up to
     MAX_PAGE_BYTES; host_capacity_bytes caps the host backend's physical memory (default: the
-    machine's RAM). async_sched=True is refused: allocation is synchronous.
+    machine's RAM). async_sched=True is refused: allocation is synchronous. pp_rank (an int >= 0)
+    and is_worker are accepted for compatibility with engines that pass them, and not kept:
+    nothing in kvcached depends on them.
     Calling it again with the same arguments is a no-op; with another device, page size or
     world, an error (shut down first).
 
@@ -166,7 +166,7 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
     if world_size > 1 and tp_rank >= world_size:
         raise KVCachedConfigError(f"tp_rank={tp_rank} is outside [0, {world_size}) for world_size={world_size}; "
                                   f"pass this process's rank in the tensor-parallel group")
-    pp_rank = as_int(pp_rank, "pp_rank", minimum=0)
+    as_int(pp_rank, "pp_rank", minimum=0)       # checked, not kept: see the docstring
     refuse_async_sched(async_sched)
     if page_size_bytes is not None:
         page_size_bytes = as_int(page_size_bytes, "page_size_bytes", minimum=1, maximum=MAX_PAGE_BYTES,
@@ -200,7 +200,7 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
                 f"{max(1, backend.granularity >> 20)}.")
         tp = _start_tp(tp_rank, world_size, tp_group, backend, page_bytes, settings.tp_timeout_s) \
             if world_size > 1 else None
-        _runtime = _Runtime(backend, wanted, page_bytes, tp_rank, pp_rank, bool(is_worker), world_size, tp)
+        _runtime = _Runtime(backend, wanted, page_bytes, tp_rank, world_size, tp)
         if tp is not None:
             stop_at_exit()          # rank 0 stops its peers at exit; See Note [Tensor-parallel runtime]
         logger.info("kvcached initialised on %s (%s backend, pages of %d bytes, rank %d of %d)", wanted,
@@ -242,8 +242,6 @@ def _shape_kind(kvcache_shape, block_size: int, attention_type: str, kv_layout: 
     shape = tuple(as_int(x, f"kvcache_shape[{i}]", minimum=1, hint=f"kvcache_shape={tuple(dims)!r} holds sizes")
                   for i, x in enumerate(dims))
     if attention_type == "MLA":
-        if kv_layout != "NHD":
-            raise KVCachedConfigError("kv_layout='HND' has no meaning for MLA (no head dimension); use NHD")
         if len(shape) != 3 or shape[1] != block_size:
             raise KVCachedConfigError(
                 f"MLA kvcache_shape must be (num_blocks, block_size={block_size}, dim), got {shape}")
@@ -349,8 +347,7 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
 
     if attention_type not in ATTENTION_TYPES:
         raise KVCachedConfigError(f"attention_type={attention_type!r} is unknown; use one of {', '.join(ATTENTION_TYPES)}")
-    if kv_layout not in ("NHD", "HND"):
-        raise KVCachedConfigError(f"kv_layout={kv_layout!r} is unknown; use 'NHD' or 'HND'")
+    check_kv_layout(kv_layout, has_heads=attention_type != "MLA")
     if not isinstance(dtype, torch.dtype):
         raise KVCachedConfigError(f"dtype={dtype!r} is not a torch.dtype")
     block_size = as_int(block_size, "block_size", minimum=1, hint="tokens per block")

@@ -52,7 +52,7 @@ EOF
 }
 
 step_build() {
-    # /usr/bin g++: an /opt/gcc build of a C++ extension crashed in libstdc++ (README, building offline).
+    # /usr/bin g++: an /opt/gcc build of a C++ extension crashed in libstdc++ (docs/design.md, Build).
     CC=/usr/bin/gcc CXX=/usr/bin/g++ "$PYTHON" -m pip install --no-build-isolation --no-deps --no-index -e . &&
         "$PYTHON" -c "from kvcached import core; print('probe:', core.cuda_unavailable_reason())"
 }

@@ -1,9 +1,9 @@
 """KVCacheManager's contract (its docstrings) on the host backend, for every layout.
 
 Real mappings, small pages (64 KiB per buffer) and tiny pool bounds so that pages are mapped,
-pooled and unmapped within a few steps. Exact available_size() checks run with
-KVCACHED_MIN_RESERVED_PAGES=0: with a background refill in flight available_size() under-counts
-(see test_available_size_counts_pages_in_refill, an xfail of the page allocator).
+pooled and unmapped within a few steps. Most exact checks run with KVCACHED_MIN_RESERVED_PAGES=0,
+so that no background refill maps pages between two reads of the counters; available_size()
+itself stays exact while a refill is mapping (test_available_size_counts_pages_in_refill).
 """
 
 from __future__ import annotations

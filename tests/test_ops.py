@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached
+from kvcached.checks import KV_LAYOUTS
 from kvcached.errors import KVCachedArgumentError
 from kvcached.ops import paged_attention, paged_decode, write_kv
 
 LAYOUTS = ("per_layer", "interleaved", "page_grouped")
-KV_LAYOUTS = ("NHD", "HND")
 HEAD_DIMS = (16, 48, 64, 80, 96, 128, 256)
 BLOCK_SIZES = (16, 32, 64, 128)
 GARBAGE = 1 << 30                        # unused block-table entries: read one and the index fails

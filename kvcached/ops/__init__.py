@@ -7,6 +7,8 @@ Every op takes ONE layer's K and V caches, ``kv[layer][0]`` and ``kv[layer][1]``
 - :func:`write_kv` stores a batch's new K/V at their slots (``block_id * block_size + offset``).
 - :func:`paged_attention` is causal attention of a packed batch (prefill and decode mixed).
 - :func:`paged_decode` is one query per sequence: a Triton kernel on CUDA, torch elsewhere.
+
+Index tensors (slot mappings, block tables, lengths, query starts) are int32 or int64.
 """
 
 from .attention import paged_attention, paged_decode

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import as_int
+from ..checks import as_int, check_kv_layout
 
-KV_LAYOUTS = ("NHD", "HND")
 MAX_HEAD_DIM = 256
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -39,9 +38,7 @@ def _ordered_strides(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int
 def cache_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> CacheGeometry:
     """Check one layer's K and V caches and read their geometry. Raises ValueError or TypeError
     naming the bad argument and the fix."""
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout={kv_layout!r} is unknown; use 'NHD' ([blocks, block_size, heads, dim]) "
-                         f"or 'HND' ([blocks, heads, block_size, dim])")
+    check_kv_layout(kv_layout)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(cache, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cache).__name__}")

@@ -36,13 +36,14 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  kv_layout: str = "NHD") -> torch.Tensor:
     """Attention of one query token per sequence, ``query [B, H, D]`` -> ``[B, H, D]``.
 
-    ``block_tables [B, max_blocks]`` int32 lists each sequence's blocks in order; ``seq_lens [B]``
+    ``block_tables [B, max_blocks]`` lists each sequence's blocks in order; ``seq_lens [B]``
     counts its cached tokens, the current one included (written with write_kv first), at least 1.
     Row r's entries up to ``ceil(seq_lens[r] / block_size)`` (from the window's first block on)
     must be ids of held blocks; those past it are never read, so -1 padding there is fine. H is
     a multiple of the caches' KV heads (GQA: query head h reads KV head h // (H / KVH)).
     ``sliding_window`` w: the query sees only the last w positions. The Triton kernel on CUDA,
-    torch elsewhere. O(sum(seq_lens) * H * D).
+    torch elsewhere. block_tables and seq_lens are int32 or int64, on the caches' device.
+    O(sum(seq_lens) * H * D).
 
     Raises TypeError/ValueError for shapes, dtypes or devices that do not match (and, on CPU,
     seq_lens outside [1, max_blocks * block_size]); on CPU KVCachedArgumentError (a ValueError)
@@ -68,7 +69,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     the last ``q_len`` positions of its ``seq_lens[r]`` cached tokens (written with write_kv
     first). A query at position p attends to positions <= p, and > p - sliding_window if given.
     Decode-only batches (T == B: every q_len is 1) take paged_decode's path, the Triton kernel on
-    CUDA; others torch SDPA per request. O(sum(q_len * seq_len) * H * D).
+    CUDA; others torch SDPA per request. Index tensors int32 or int64, as paged_decode's.
+    O(sum(q_len * seq_len) * H * D).
 
     Block tables as paged_decode: the entries a request's positions need must be held blocks'
     ids, those past ``ceil(seq_len / block_size)`` are never read.

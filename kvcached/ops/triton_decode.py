@@ -197,9 +197,10 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # queries share it; the group padded to 16 rows so that q.K^T and p.V are tensor-core dots (a
 # group of 1-8 rows would otherwise be a reduction over registers); BLOCK_N = 64 tokens per step
 # (4 blocks of 16) and 3 pipeline stages, so ~2 steps of loads are in flight while one computes.
-# Every token looks its block up in the table (BLOCK_N int32 loads, served by L1), which makes
-# any block size work and lets a chunk span several blocks; the block id is widened to int64
-# before it is scaled by the block stride (a 78 GiB cache has element offsets past 2^31).
+# Every token looks its block up in the table (BLOCK_N loads of the table's int32 or int64, served
+# by L1), which makes any block size work and lets a chunk span several blocks; the block id is
+# widened to int64 before it is scaled by the block stride (a 78 GiB cache has element offsets
+# past 2^31).
 # Tiles are capped at 16 KiB per stage (BLOCK_N 32 at head_dim 256 or float32) to stay within
 # shared memory with 3 stages. With few (sequence, head) pairs the GPU would idle, so each
 # sequence is split into up to MAX_SPLITS ranges whose partial softmax states (m, l, acc) a

@@ -25,13 +25,16 @@ STEP_KWARG = "kv_step"
 
 @dataclass
 class StepMetadata:
-    """Where one packed step's tokens go and what each request attends to (ops' conventions)."""
+    """Where one packed step's tokens go and what each request attends to (ops' conventions).
+
+    The index tensors are int64 views of the step's one StepPlan tensor (kvcached.serving.plan);
+    the ops take int32 or int64."""
 
     cache: PagedKVCache
     slot_mapping: torch.Tensor          # [T] int64, block_id * block_size + offset
-    block_tables: torch.Tensor          # [B, max_blocks] int32
-    seq_lens: torch.Tensor              # [B] int32, cached tokens including this step's
-    query_start_loc: torch.Tensor       # [B + 1] int32
+    block_tables: torch.Tensor          # [B, max_blocks] int64
+    seq_lens: torch.Tensor              # [B] int64, cached tokens including this step's
+    query_start_loc: torch.Tensor       # [B + 1] int64
 
 
 def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

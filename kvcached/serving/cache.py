@@ -13,10 +13,8 @@ import operator
 
 import torch
 
-from kvcached.checks import as_int
+from kvcached.checks import as_int, check_kv_layout
 from kvcached.errors import BlockStateError, KVCachedClosedError
-
-KV_LAYOUTS = ("NHD", "HND")
 
 
 def kv_geometry(config) -> tuple[int, int, int]:
@@ -35,8 +33,7 @@ class PagedKVCache:
     """What the serving loop needs of a KV cache (see the module docstring)."""
 
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, kv_layout: str):
-        if kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout={kv_layout!r} is unknown; use 'NHD' or 'HND'")
+        check_kv_layout(kv_layout)
         self.num_blocks = as_int(num_blocks, "num_blocks", minimum=1, error=ValueError)
         self.block_size = as_int(block_size, "block_size", minimum=1, error=ValueError)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_geometry(config)

@@ -188,18 +188,16 @@ class Channel:
 # next request's buffer as soon as a request is in, before applying it. Never while the other
 # side may be sending: gloo's transport thread and the caller's isend/irecv share one lock per
 # peer, so a notice that lands during a call makes one wait for the other, and on a busy host
-# the holder can be off the CPU for a scheduler slice (~4 ms). Posting after one's own send or
-# reply (to take the system call off the round's path) meets the other side's next message in
-# back-to-back rounds: on a shared 2-core host it gained nothing measurable and stalled more
-# often. None is left pending after STOP, so a tp_group passed by the caller can carry a later
-# instance (a stale receive would swallow its first request). Waits are in the calling thread
-# (a receiver thread adds a wake-up per message) and never spin: gloo's work objects report
-# is_completed() only after wait(), so polling can only watch the buffer, and a polling rank
-# kept the transport thread that must deliver its message off the CPU (~4 ms a round). Round
-# trip of an empty request on that host, median: 75-140 us however the receives are placed,
-# blocking send/recv and a second message per request no better; a plain TCP socket 10 us.
-# Gloo's floor is four thread wake-ups a round trip: each side's transport thread, then the
-# waiting thread.
+# the holder can be off the CPU for a scheduler slice (~4 ms). None is left pending after STOP,
+# so a tp_group passed by the caller can carry a later instance (a stale receive would swallow
+# its first request). Waits are in the calling thread (a receiver thread adds a wake-up per
+# message) and never spin: gloo's work objects report is_completed() only after wait(), so
+# polling can only watch the buffer, and a polling rank kept the transport thread that must
+# deliver its message off the CPU. The figure that decides: an empty request's round trip is
+# 75-140 us on a 2-core host however the receives are placed (~110 us on 2xH200, the whole of
+# a TP map's extra cost); gloo's floor is four thread wake-ups a round trip, each side's
+# transport thread, then the waiting thread. The placements and transports measured are in
+# benchmarks/README.md (bench_tp, where the round trip goes).
 #
 # Note [Gloo timeouts]
 # Gloo applies the group's timeout to every wait without an explicit one, and a wait that times

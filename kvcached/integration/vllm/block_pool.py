@@ -604,13 +604,13 @@ class ElasticBlockPool(BlockPool):
 #
 # Note [Idle pages]
 # A page goes back to kvcached with the cache entries of its free blocks once no block on it is
-# in use (keep_idle_cached_pages False). free_blocks used to look for such pages by scanning
-# every page its freed blocks lie on; a request's blocks spread over many pages (about 11 pages
-# of 64 blocks a call in the benchmark), which took ~0.7 % of a step with prefix caching.
-# _in_use_by_page counts the blocks with ref_cnt > 0 per page (the null block counted, so its
-# page never empties), kept at every 0 <-> 1 change of a ref_cnt: _take_fresh, the held blocks
-# get_new_blocks takes, touch, free_blocks, unpin_blocks, _give_back. A page whose count falls
-# to 0 in free_blocks is idle, and only its blocks are looked at. check_invariants recounts.
+# in use (keep_idle_cached_pages False). Finding such pages by scanning every page a call's freed
+# blocks lie on cost ~0.7 % of a step with prefix caching (a request's blocks spread over many
+# pages), so _in_use_by_page counts the blocks with ref_cnt > 0 per page (the null block counted,
+# so its page never empties), kept at every 0 <-> 1 change of a ref_cnt: _take_fresh, the held
+# blocks get_new_blocks takes, touch, free_blocks, unpin_blocks, _give_back. A page whose count
+# falls to 0 in free_blocks is idle, and only its blocks are looked at. check_invariants recounts.
+# The measurements: benchmarks/README.md (bench_vllm_scheduler, the pool's history).
 #
 # Note [Claiming a block]
 # vLLM's touch() takes any free block as a prefix hit. Hits normally are cached blocks, which
@@ -662,18 +662,16 @@ class ElasticBlockPool(BlockPool):
 #
 # Note [Inlined vLLM paths]
 # vLLM's scheduler calls the pool ~55 times a step (get_num_free_blocks once per running
-# request, get_new_blocks ~3 times, almost always for one block). free_blocks, touch and the
-# taking of fresh blocks repeat vLLM 0.33's own code (its linked free queue, ref_cnt,
-# _block_hash) instead of calling it and then walking the blocks again, counters replace
-# recounts (_num_unheld_free), and get_new_blocks takes fresh blocks with one alloc and no count
-# when kvcached has them all. At 05b2cad, with vLLM's methods called underneath, a step took
-# 1.07-1.10x stock's; at da60575, with these paths, 1.04-1.06x; with the count binding (Note
-# [Free count binding]) and idle pages found by count (Note [Idle pages]) 1.03-1.045x, the
-# same machine and hour (benchmarks/README.md). What is left is mostly kvcached's own calls:
-# an available_size() per count (~1 % of a step without caching, ~2 % with it, measured by
-# leaving the count out), an alloc/free per allocation, and the pages mapped and unmapped as
-# they fill and empty. version.py pins the minor whose internals these paths repeat, and
-# vLLM's own scheduler tests run against this pool.
+# request, get_new_blocks ~3 times, almost always for one block), so the Python around each call
+# is what the pool costs. free_blocks, touch and the taking of fresh blocks repeat vLLM 0.33's
+# own code (its linked free queue, ref_cnt, _block_hash) instead of calling it and then walking
+# the blocks again, counters replace recounts (_num_unheld_free), and get_new_blocks takes fresh
+# blocks with one alloc and no count when kvcached has them all. The figure that decided it: with
+# vLLM's methods called underneath a step took 1.07-1.10x stock's, with these paths 1.04-1.06x
+# (same machine and hour; the later steps are in benchmarks/README.md, bench_vllm_scheduler).
+# What is left is mostly kvcached's own calls: an available_size() per count, an alloc/free per
+# allocation, and the pages mapped and unmapped as they fill and empty. version.py pins the
+# minor whose internals these paths repeat, and vLLM's own scheduler tests run against this pool.
 #
 # Note [Pool geometry]
 # vLLM builds its BlockPool from num_gpu_blocks alone, in the scheduler, after the worker made
