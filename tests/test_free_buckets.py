@@ -65,3 +65,4 @@ def test_bad_arguments_raise_and_change_nothing():
     assert b.check_invariants() and b.highest() == 2 and b.first(2) == 0
     with pytest.raises(ValueError, match="max_count=0"):
         PageBuckets(3, 0)
+

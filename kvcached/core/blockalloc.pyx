@@ -1,7 +1,10 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
 """kvcached.core.blockalloc: block ids over whole pages, the hot path's top layer.
 
-BlockAllocator: free slots per page, best fit, a per-block allocated bit. It stands on
+BlockAllocator: free slots per page, best fit, a per-block allocated bit; its bookkeeping of which
+ids are free and where is its base class BlockSlots, over the pages-by-free-count struct of
+kvcached.core.freebuckets, and what callers pass is checked and converted by kvcached.core.blockargs.
+It stands on
 kvcached.core.pagealloc (PageAllocator: free page ids, reserved pool, deferred unmap, limits; its
 RefillPolicy) over kvcached.core.pagetable (PageTable: what one page id maps, all-or-nothing) over
 kvcached.core.vmm (checked driver calls, the backends and their handle cache). Calls into them are
@@ -58,6 +61,9 @@ cdef class BlockSlots:
     partially used pages by free count (Note [Free buckets] in freebuckets); the counts. Pure
     bookkeeping: the subclass BlockAllocator holds the lock around every call, talks to the page
     allocator and checks the whole (check_invariants). Placement: Note [Block placement]."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("BlockSlots is BlockAllocator's bookkeeping: make a BlockAllocator")
 
     cdef int _init_slots(self, first, count, int64_t id_to_page_num, int64_t id_to_page_den,
                          int64_t max_block_id) except -1:
@@ -274,7 +280,7 @@ cdef class BlockAllocator(BlockSlots):
         page_first_block, page_num_blocks: one entry per page id of its table; block b lies in
         page (b * id_to_page_num) // id_to_page_den; max_block_id: ids are below it.
 
-        Host memory: its arrays only, ~9 bytes per block id (Note [Bookkeeping memory]); the
+        Host memory: its arrays only, ~9 bytes per block id (Note [Bookkeeping memory] in blockargs); the
         checks and the set-up are O(pages) beyond them.
 
         Raises KVCachedConfigError when the arrays have the wrong length, an interval is
@@ -300,7 +306,7 @@ cdef class BlockAllocator(BlockSlots):
         if self.id_objs == NULL:
             raise MemoryError("no memory for the block allocator")
         for p in range(P):
-            if self.page_first[p] < self.id_objs_len:     # touched now, not by an alloc: Note [Block id objects]
+            if self.page_first[p] < self.id_objs_len:     # touched now, not by an alloc: Note [Block id objects] in blockargs
                 memset(self.id_objs + self.page_first[p], 0,
                        min(self.page_blocks[p], self.id_objs_len - self.page_first[p]) * sizeof(PyObject*))
         from kvcached.config import settings
@@ -536,7 +542,7 @@ cdef class BlockAllocator(BlockSlots):
         had (out of memory, limit, capacity) — never a partial result; state unchanged on None.
 
         Cost: O(n + pages touched); the pool fast path makes no driver call and keeps the GIL.
-        An n above total_blocks, of any size, is None at once (Note [Counts and ids past int32]).
+        An n above total_blocks, of any size, is None at once (Note [Counts and ids past int32] in blockargs).
         Raises ValueError for n < 0, TypeError for an n that is not an integer (1.5, True)."""
         cdef int32_t stack_ids[_STACK_IDS]
         cdef int32_t* out = stack_ids
@@ -652,7 +658,7 @@ cdef class BlockAllocator(BlockSlots):
     cdef long long _checked_count(self, object n, str what) except -2:
         # alloc's and try_to_reserve's count: n in [0, total_blocks]; -1 for one above it, of any
         # size (a failed alloc, counted, nothing else changed: the caller answers None / False);
-        # raises ValueError for a negative one. See Note [Counts and ids past int32].
+        # raises ValueError for a negative one. See Note [Counts and ids past int32] in blockargs.
         cdef int overflow = 0
         cdef long long count = PyLong_AsLongLongAndOverflow(n, &overflow) if PyLong_CheckExact(n) \
             else count_of(n, what, &overflow)
