@@ -3,11 +3,13 @@
 
 Checked driver and syscall calls, the one-time driver probe, the process lifecycle every object
 of the core follows (Note [Fork and close]), the backends — Backend (reserve / create / map / set
-access / unmap / release / fences) and CudaBackend over cydriver (HostBackend, over mmap + one pool
-memfd, is kvcached.core.hostmem) — with the bounded cache of released physical handles as one policy in one class
-(Note [Handle cache]), and VirtualRange, a reservation exported to torch through DLPack.
+access / unmap / release / fences) and CudaBackend over cydriver (HostBackend, over mmap + one
+pool memfd, is kvcached.core.hostmem) — with the bounded cache of released physical handles as
+one policy in one class (Note [Handle cache]), and VirtualRange, a reservation exported to torch
+through DLPack.
 
-The C contract is vmm.pxd; every other module of the core cimports it. Nothing here imports them.
+The C contract is vmm.pxd; hostmem, pagetable, pagealloc and blockalloc cimport it. Nothing here
+imports them.
 """
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t, uintptr_t
