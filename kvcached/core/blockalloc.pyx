@@ -871,8 +871,8 @@ cdef class BlockAllocator(BlockSlots):
 #     memory alloc returns None, unchanged. Then every partially used page is filled and the new
 #     pages are used in the order delivered: each but the last in full (take_blocks returns the
 #     fewest pages that hold the missing ids).
-# Buckets are doubly linked lists per free count plus a bitmap of non-empty ones, so steps 1-2 are
-# O(1) bit scans per page touched (max_blocks_per_page / 64 words) and the whole is O(n + pages).
+# The buckets (Note [Free buckets] in freebuckets) make steps 1-2 bit scans per page touched
+# (max_blocks_per_page / 64 words), so the whole is O(n + pages).
 # Within a page, ids come off a stack of its free ids, lowest first on a fresh page.
 #
 # Note [try_to_reserve]
