@@ -11,7 +11,7 @@ cache (4096 blocks, 64 page ids) so that a CI run stays short.
 import pytest
 
 from bench_alloc import cycle, threads_ops
-from bench_manager import LAYOUTS, Instance
+from bench_manager import LAYOUTS, Instance, driver_floor
 
 NUM_BLOCKS = 4096
 
@@ -61,3 +61,20 @@ def test_manager_map_one_page(benchmark, unpooled):
         pt.unmap([p])
     benchmark.pedantic(map_unmap, rounds=5 if unpooled.layout == "per_layer" else 20, iterations=1)
     assert not pt.is_mapped(p)
+
+
+def test_driver_floor_leaves_the_table_and_backend_as_they_were(unpooled):
+    """The floor maps and unmaps a page id's segments behind the table's back: afterwards the page
+    is unmapped, every handle it made is released, and a mapped page id is refused."""
+    pt, b = unpooled.table, unpooled.backend
+    unpooled.pages.stop()
+    p = pt.num_pages - 1
+    physical = b.physical_bytes
+    floor = driver_floor(pt, p, 3)
+    assert set(floor) == {"map_us", "unmap_us"} and all(len(v) == 3 and min(v) > 0 for v in floor.values())
+    assert not pt.is_mapped(p) and b.physical_bytes == physical
+    pt.check_invariants()
+    assert pt.map([p])
+    with pytest.raises(ValueError, match=f"{p} is mapped"):
+        driver_floor(pt, p, 1)
+    pt.unmap([p])

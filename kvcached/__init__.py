@@ -9,11 +9,13 @@ The layers, each calling only the ones below it (tests/test_layers.py checks the
     manager          kv_cache_manager.py   engine-facing policy: limits, budget, publishing
     tensor parallel  tp/                   rank 0's page tables mirrored on the other ranks
     compiled core    core/                 the hot path, one Cython module per layer:
-      block allocator  core/blockalloc.pyx   block ids over pages
+      block allocator  core/blockalloc.pyx   block ids over pages (its parts: core/freebuckets.pyx,
+                                             core/blockargs.pyx)
       page allocator   core/pagealloc.pyx    free set, reserved pool, pending fences, refill policy
       page table       core/pagetable.pyx    map/unmap all or nothing, rollback, zero page
-      backend          core/vmm.pyx          checked driver calls, CUDA or host memory, the
-                                             handle cache, virtual ranges and DLPack
+      backend          core/vmm.pyx          checked driver calls, CUDA memory, the handle
+                                             cache, virtual ranges and DLPack; host memory
+                                             in core/hostmem.pyx
 
 Each compiled module cimports only the ones below it through their .pxd contracts.
 Beside them: layout.py (where each block lives in the ranges), limits.py (the limit arithmetic),

@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kvcached")
 
 MAX_PAGE_BYTES = 1 << 30        # KVCACHED_PAGE_SIZE_MB's bound, 1024 MiB
-MAX_HANDLE_CACHE = 256          # the backend's bound (_MAX_CACHED_HANDLES)
 JOINT_KV_ATTENTION = ("hybrid", "mamba", "linear")
 ATTENTION_TYPES = ("MHA", "GQA", "MQA", "MLA") + JOINT_KV_ATTENTION
 
@@ -284,7 +283,9 @@ def _create_group(rt: _Runtime, group_id: int, num_layers: int, num_kv_buffers: 
     # again (pool 0, or a pool edge) then skips cuMemCreate/cuMemRelease for all of them.
     # Under a global budget the cache stays off (KVCacheManager._attach_budget says why).
     if settings.global_budget is None and rt.backend.cache_capacity < page_table.num_segments:
-        rt.backend.set_handle_cache_capacity(min(page_table.num_segments, MAX_HANDLE_CACHE))
+        from .core import MAX_HANDLE_CACHE_SIZE
+
+        rt.backend.set_handle_cache_capacity(min(page_table.num_segments, MAX_HANDLE_CACHE_SIZE))
     group = KVGroup(group_id, layout, reason, ranges, page_table)
     if rt.tp is not None:
         try:

@@ -1,7 +1,7 @@
 """Backend layer on the host backend: real mappings, real memory, faults seen in child processes.
 
-Mirrors kvcached/core/vmm.pyx: reserve / create / map / set access / unmap / release, the handle
-cache, fault injection, out of memory, validation, and the no-driver path of CudaBackend.
+Mirrors kvcached/core/vmm.pyx and hostmem.pyx: reserve / create / map / set access / unmap /
+release, the handle cache, fault injection, out of memory, validation, and the no-driver path of CudaBackend.
 """
 
 from __future__ import annotations

@@ -413,3 +413,11 @@ print(json.dumps({"ok": ok, "huge": huge, "rss_growth": grown, "total": blocks.s
 """, headroom_bytes=4 << 30)
     assert out["ok"] and out["huge"] is None and out["total"] == 1 << 28, out
     assert out["rss_growth"] < (1 << 28) * 5 // 4 + (96 << 20), out     # ~1 byte per id, not ~32
+
+
+def test_block_slots_are_made_only_by_a_block_allocator():
+    """BlockSlots is the allocator's bookkeeping, never made on its own (its arrays would be NULL)."""
+    from kvcached.core.blockalloc import BlockSlots
+
+    with pytest.raises(TypeError, match="make a BlockAllocator"):
+        BlockSlots()

@@ -1,8 +1,8 @@
 """The package's import graph follows its layers: no cycle, no import pointing up.
 
 The layer order: cli -> runtime -> kv_cache_manager -> layout, tp -> core (the facade) ->
-core.blockalloc -> core.pagealloc -> core.pagetable -> core.vmm (the compiled core, its .pyx and .pxd
-read for import and cimport lines),
+core.blockalloc -> core.freebuckets, core.blockargs -> core.pagealloc -> core.pagetable ->
+core.hostmem -> core.vmm (the compiled core, its .pyx and .pxd read for import and cimport lines),
 with the shared-memory and utility modules below; ops, serving, integration and demo use only the
 public API. Parses the sources (every import statement, those inside functions included), so it
 imports nothing.
@@ -23,8 +23,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcached"
 LAYERS = (
     {"errors", "sizes", "checks", "config", "limits", "_steps", "core._posix"},
     {"core.vmm"},
+    {"core.hostmem"},
     {"core.pagetable"},
     {"core.pagealloc"},
+    {"core.freebuckets", "core.blockargs"},         # the block allocator's parts
     {"core.blockalloc"},
     {"core", "shm"},                                # core: the compiled core's facade; shm: segments, budgets, the poller
     {"layout", "tp"},                               # tp: the page-table mirror of tensor parallelism

@@ -1,11 +1,16 @@
 """kvcached.core: the compiled hot path, one extension module per layer, bottom up.
 
-    vmm         checked driver and syscall calls; Backend, CudaBackend, HostBackend; the handle
-                cache; the process lifecycle (fork and close)
-    pagetable   VirtualRange (a reservation, exported to torch through DLPack); PageTable (what
-                one page id maps, all or nothing, with rollback)
+    vmm         checked driver and syscall calls; Backend and CudaBackend; the handle cache;
+                the process lifecycle (fork and close); VirtualRange (a reservation, exported
+                to torch through DLPack)
+    hostmem     HostBackend (mmap reservations over one pool memfd: the GPU's semantics on
+                host memory)
+    pagetable   PageTable (what one page id maps, all or nothing, with rollback)
     pagealloc   PageAllocator (free set, reserved pool, pending ring of fences, limits) and its
                 RefillPolicy (background refill, idle trim, budget gate)
+    freebuckets pages filed by free count (best fit by a bit scan), for the block allocator
+    blockargs   what callers hand the block allocator, checked and converted (counts, ids,
+                page intervals, host memory for its bookkeeping)
     blockalloc  BlockAllocator (block ids over whole pages: best fit, per-block state)
 
 Each module's ``.pxd`` is its C contract and cimports only the modules above it in this list;
@@ -14,13 +19,14 @@ above the core writes ``from kvcached.core import BlockAllocator``.
 """
 
 from kvcached.core.blockalloc import BlockAllocator
+from kvcached.core.hostmem import HostBackend
 from kvcached.core.pagealloc import PageAllocator, RefillPolicy
 from kvcached.core.pagetable import PageTable
 from kvcached.core.vmm import (
     DEFAULT_HANDLE_CACHE_SIZE,
+    MAX_HANDLE_CACHE_SIZE,
     Backend,
     CudaBackend,
-    HostBackend,
     VirtualRange,
     cuda_device_count,
     cuda_unavailable_reason,
@@ -33,6 +39,7 @@ __all__ = [
     "BlockAllocator",
     "CudaBackend",
     "HostBackend",
+    "MAX_HANDLE_CACHE_SIZE",
     "PageAllocator",
     "PageTable",
     "RefillPolicy",

@@ -42,7 +42,29 @@ class _BlockAllocatorStats(TypedDict):
 # -- block allocator -----------------------------------------------------------------------------
 
 @disjoint_base
-class BlockAllocator:
+class BlockSlots:
+    """Which block ids are free and where: BlockAllocator's bookkeeping (made only through it)."""
+
+    @property
+    def num_pages(self) -> int:
+        """The page table's page ids."""
+    @property
+    def max_block_id(self) -> int:
+        """Block ids are < max_block_id."""
+    @property
+    def id_to_page_num(self) -> int:
+        """Page of block b = b * id_to_page_num // id_to_page_den."""
+    @property
+    def id_to_page_den(self) -> int:
+        """See id_to_page_num."""
+    @property
+    def max_blocks_per_page(self) -> int:
+        """Largest number of blocks one page holds."""
+    @property
+    def total_blocks(self) -> int:
+        """Usable block ids over all pages."""
+
+class BlockAllocator(BlockSlots):
     """Hands out KV block ids over the pages of one PageAllocator; thread-safe, layout-agnostic."""
 
     def __init__(
@@ -67,27 +89,6 @@ class BlockAllocator:
     @property
     def pages(self) -> PageAllocator:
         """The page allocator whose pages hold the blocks."""
-    @property
-    def num_pages(self) -> int:
-        """The page table's page ids."""
-    @property
-    def max_block_id(self) -> int:
-        """Block ids are < max_block_id."""
-    @property
-    def id_to_page_num(self) -> int:
-        """Page of block b = b * id_to_page_num // id_to_page_den."""
-    @property
-    def id_to_page_den(self) -> int:
-        """See id_to_page_num."""
-    @property
-    def max_blocks_per_page(self) -> int:
-        """Largest number of blocks one page holds."""
-    @property
-    def total_blocks(self) -> int:
-        """Usable block ids over all pages."""
-    @property
-    def num_free_in_owned_pages(self) -> int:
-        """Free block ids in pages taken from the page allocator (no docstring in the source)."""
     debug_checks: bool
     """Run check_invariants() after every public call."""
     @property

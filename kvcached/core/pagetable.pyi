@@ -93,8 +93,6 @@ class PageTable:
         """What repeats this table's maps and unmaps on peers (tensor parallelism), or None."""
     def set_mirror(self, mirror: PageMirror | None) -> None:
         """Attach (only while no page id is mapped: MappingError) or detach the mirror."""
-    def driver_floor(self, page_id: int, repeats: int = 50) -> dict[str, list[float]]:
-        """Benchmark hook: µs per pass under "raw_map_us", "raw_unmap_us", "primitives_map_us"."""
     def is_mapped(self, page_id: int) -> bool:
         """Whether `page_id` is mapped (no docstring in the source)."""
     def mapped_page_ids(self) -> list[int]:

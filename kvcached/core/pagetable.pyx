@@ -10,11 +10,9 @@ pagetable.pxd; it cimports only vmm; pagealloc and blockalloc cimport it.
 from libc.stdint cimport int32_t, uint64_t, uintptr_t
 from libc.stdlib cimport calloc, free, malloc
 
-from cuda.bindings cimport cydriver
-
-from kvcached.core._posix cimport _now, pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock
+from kvcached.core._posix cimport pthread_mutex_destroy, pthread_mutex_init, pthread_mutex_lock, pthread_mutex_unlock
 from kvcached.core.vmm cimport (
-    _OOM, Backend, CudaBackend, VirtualRange, _raise_if_oom, check, lifecycle_check, lifecycle_check_owned,
+    _OOM, Backend, VirtualRange, _raise_if_oom, lifecycle_check, lifecycle_check_owned,
     lifecycle_close, lifecycle_init, lifecycle_live, lifecycle_name, lifecycle_owned,
 )
 
@@ -539,17 +537,6 @@ cdef class PageTable:
         finally:
             pthread_mutex_unlock(&self.lock)
 
-    def driver_floor(self, int page_id, int repeats=50):
-        """Benchmark hook: what mapping `page_id` costs in driver calls alone. Takes one handle
-        per segment (through the cache) once, then `repeats` times maps every segment and unmaps
-        them again, timing each pass over all segments in two ways: "raw" (CUDA: cuMemMap +
-        cuMemSetAccess straight from cydriver, the context bound once per pass; host: the
-        backend's primitives) and "primitives" (the backend's _map + _set_access, which bind the
-        context per call, as map_pages does). Returns {"raw_map_us", "raw_unmap_us",
-        "primitives_map_us"}: lists of µs per pass. The page table's state is not touched: the
-        page id must be unmapped and the zero page off. Raises MappingError otherwise."""
-        return _driver_floor(self, page_id, repeats)
-
     def is_mapped(self, int page_id) -> bool:
         if not 0 <= page_id < self.num_pages:
             raise MappingError(f"page id {page_id} is out of range [0, {self.num_pages})")
@@ -648,76 +635,6 @@ cdef class PageTable:
             count += self.mapped[p] != 0
         assert count == self.num_mapped, f"num_mapped {self.num_mapped} != {count}"
         assert self.zero_page == (self.zero_handle != 0), f"zero_page {self.zero_page}, zero handle {self.zero_handle}"
-
-# -- benchmark hooks: never on a production path ----------------------------------------------
-
-cdef dict _driver_floor(PageTable table, int page_id, int repeats):
-    """PageTable.driver_floor: timers around bare driver calls, kept off the data path."""
-    cdef uint64_t* handles
-    cdef int s, r, got = 0, rc
-    cdef int nseg = table.num_segments
-    cdef size_t mb = table.map_bytes
-    cdef uintptr_t base
-    cdef double t0, t1, t2
-    cdef bint cuda = isinstance(table.backend, CudaBackend)
-    cdef CudaBackend cb = table.backend if cuda else None
-    table._check_usable()
-    if not 0 <= page_id < table.num_pages or table.mapped[page_id] or table.zero_page:
-        raise MappingError(f"driver_floor needs an unmapped page id in [0, {table.num_pages}) and no zero page")
-    _check_ranges_alive(table.ranges)
-    raw_map, raw_unmap, prim_map = [], [], []
-    handles = <uint64_t*>calloc(nseg, sizeof(uint64_t))
-    if handles == NULL:
-        raise MemoryError
-    try:
-        for s in range(nseg):
-            rc = table.backend.acquire_handle(mb, &handles[s])
-            if rc != 0:
-                raise OutOfDeviceMemory("driver_floor", 2, "out of memory", f"{nseg} handles of {mb} bytes")
-            got += 1
-        for r in range(repeats):
-            with nogil:
-                t0 = _now()
-                if cuda:
-                    cb._bind()
-                    for s in range(nseg):
-                        base = table.segment_base[s] + <size_t>page_id * mb
-                        check(cydriver.cuMemMap(<cydriver.CUdeviceptr>base, mb, 0,
-                                                <cydriver.CUmemGenericAllocationHandle>handles[s], 0), "cuMemMap")
-                        check(cydriver.cuMemSetAccess(<cydriver.CUdeviceptr>base, mb, &cb.access_rw, 1),
-                              "cuMemSetAccess")
-                else:
-                    for s in range(nseg):
-                        base = table.segment_base[s] + <size_t>page_id * mb
-                        table.backend._map(base, mb, handles[s])
-                        table.backend._set_access(base, mb, True)
-                t1 = _now()
-                if cuda:
-                    cb._bind()
-                    for s in range(nseg):
-                        check(cydriver.cuMemUnmap(<cydriver.CUdeviceptr>(table.segment_base[s] + <size_t>page_id * mb), mb),
-                              "cuMemUnmap")
-                else:
-                    for s in range(nseg):
-                        table.backend._unmap(table.segment_base[s] + <size_t>page_id * mb, mb)
-                t2 = _now()
-            raw_map.append((t1 - t0) * 1e6)
-            raw_unmap.append((t2 - t1) * 1e6)
-            with nogil:
-                t0 = _now()
-                for s in range(nseg):
-                    base = table.segment_base[s] + <size_t>page_id * mb
-                    table.backend._map(base, mb, handles[s])
-                    table.backend._set_access(base, mb, True)
-                t1 = _now()
-                for s in range(nseg):
-                    table.backend._unmap(table.segment_base[s] + <size_t>page_id * mb, mb)
-            prim_map.append((t1 - t0) * 1e6)
-    finally:
-        for s in range(got):
-            table.backend.recycle_handle(handles[s], mb)
-        free(handles)
-    return {"raw_map_us": raw_map, "raw_unmap_us": raw_unmap, "primitives_map_us": prim_map}
 
 # Note [Page table]
 # A page id is the unit the allocator hands out, and one page id may need several mappings

@@ -1,6 +1,6 @@
 # The C-level contract of kvcached.core.vmm, the lowest layer: checked driver and syscall calls, the
-# process lifecycle (fork and close), the backends (Backend, CudaBackend, HostBackend) with their
-# one handle cache, and VirtualRange (a reservation and its DLPack export). Every field commented,
+# process lifecycle (fork and close), the backends (Backend, CudaBackend; HostBackend is hostmem.pxd)
+# with their one handle cache, and VirtualRange (a reservation and its DLPack export). Every field commented,
 # every cdef's failure mode stated: `except -1` raises; out of memory is the value _OOM (1), never
 # an exception; `noexcept` is bookkeeping only (never a driver call). Layers above cimport this
 # file and never touch the handle cache's arrays or `_lock`.
@@ -126,17 +126,6 @@ cdef class CudaBackend(Backend):
     cdef cydriver.CUmemAccessDesc access_rw     # read-write for the device
     cdef cydriver.CUmemAccessDesc access_ro     # read-only (the shared zero page)
     cdef int _bind(self) except -1 nogil        # make the primary context current on this thread
-
-
-cdef class HostBackend(Backend):
-    cdef int fd                                 # the pool memfd: every page is a slot of it
-    cdef readonly size_t capacity_bytes         # most bytes the pool hands out ("device memory")
-    cdef size_t pool_end                        # slots below this offset were handed out once
-    cdef size_t pool_span_bytes                 # size of the memfd: offsets available for slots
-    cdef uint64_t* free_offsets                 # released slots' offsets, reused before pool_end grows
-    cdef size_t* free_sizes                     # bytes of each released slot
-    cdef Py_ssize_t num_free                    # released slots in the two arrays
-    cdef Py_ssize_t cap_free                    # their allocated length
 
 
 cdef class VirtualRange:

@@ -1,5 +1,7 @@
 """Types of the Python-visible surface of kvcached.core.vmm (Cython): backends, virtual ranges.
 
+HostBackend is kvcached.core.hostmem's (hostmem.pyi).
+
 Only ``def`` methods, properties and ``readonly``/``public`` attributes are here: ``cdef`` methods
 are invisible to Python. Every class is a C extension type with its own fields (@disjoint_base:
 no class may inherit from two of them). Units: every ``*_bytes`` value, address and handle size is in bytes;
@@ -30,6 +32,8 @@ class _BackendStats(TypedDict):
 
 DEFAULT_HANDLE_CACHE_SIZE: Final = 8
 """Released physical handles a new backend keeps for reuse (see set_handle_cache_capacity)."""
+MAX_HANDLE_CACHE_SIZE: Final = 256
+"""The most handles set_handle_cache_capacity accepts (the cache is a fixed array of this length)."""
 
 def cuda_unavailable_reason() -> str | None:
     """None when the CUDA driver is usable and has a device, else why not (probed once, cached)."""
@@ -104,7 +108,7 @@ class Backend:
     def release_cached(self) -> None:
         """Release every cached handle back to the device."""
     def set_handle_cache_capacity(self, capacity: int) -> None:
-        """Keep at most `capacity` (0..256) released handles for reuse; 0 disables the cache."""
+        """Keep at most `capacity` (0..MAX_HANDLE_CACHE_SIZE) released handles for reuse; 0 disables the cache."""
     def record_fence(self, stream: int = 0) -> int:
         """Record a fence on `stream` (CUstream as int; 0 = default stream); returns the fence id."""
     def fence_done(self, fence: int) -> bool:
@@ -133,19 +137,6 @@ class CudaBackend(Backend):
         """Raises DriverUnavailableError without a usable driver, KVCachedConfigError for a bad device_id."""
     def memset(self, address: int, value: int, size_bytes: int) -> None:
         """Fill device memory with byte `value`, synchronously (tests)."""
-
-@disjoint_base
-class HostBackend(Backend):
-    """Host-memory VMM backend (mmap + one memfd pool) with the GPU backend's semantics."""
-
-    def __init__(self, granularity: int = 2097152, capacity_bytes: int | None = None) -> None:
-        """granularity: bytes, a multiple of the OS page; capacity_bytes: default all host memory."""
-    @property
-    def capacity_bytes(self) -> int:
-        """Most physical bytes the pool hands out (rounded down to the granularity)."""
-    @property
-    def pool_fd(self) -> int:
-        """The memfd that stores every page (tests read its st_blocks)."""
 
 # -- virtual ranges ------------------------------------------------------------------------------
 
