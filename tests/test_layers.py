@@ -24,6 +24,7 @@ LAYERS = (
     {"errors", "sizes", "checks", "config", "_shm", "_steps", "core._posix"},
     {"core.vmm"},
     {"core.pagetable"},
+    {"core.pagesets"},                              # the free set, the pool, the pending ring
     {"core.pagealloc"},
     {"core.blockalloc"},
     {"core", "mem_info_tracker", "budget"},         # core: the compiled core's facade

@@ -2,12 +2,13 @@
 # unmap, limits) and RefillPolicy (its background thread, refill target, idle trim, budget gate).
 # Every field commented, every cdef's failure mode stated: `except -1` raises; out of memory is
 # the value _OOM (1, from vmm), never an exception; `noexcept` is bookkeeping only (never a
-# driver call). It cimports pagetable and vmm; only blockalloc cimports it.
+# driver call). It cimports pagesets (the free set, the pool, the pending ring), pagetable and
+# vmm; only blockalloc cimports it.
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
 
 from kvcached.core._posix cimport pthread_cond_t, pthread_mutex_t
-from kvcached.core cimport pagetable
+from kvcached.core cimport pagesets, pagetable
 from kvcached.core cimport vmm
 
 # Lock order (see Note [Allocator locks] in blockalloc.pyx): BlockAllocator.lock ->
@@ -84,27 +85,14 @@ cdef class PageAllocator:
     cdef uint8_t* state                         # [page] one of _PS_*
     cdef int32_t* weight                        # [page] blocks the page holds (1 until a BlockAllocator binds)
     cdef bint weights_bound                     # a BlockAllocator set the weights
-    cdef int32_t* fw_count                      # Fenwick tree over page ids: 1 per free id
-    cdef int64_t* fw_weight                     # Fenwick tree over page ids: weight per free id
-    cdef int fw_top                             # highest power of two <= num_table_pages
-    cdef int num_free                           # ids in the free set
-    cdef int num_pool                           # ids in the pool
+    cdef pagesets.FreeSet free_set              # the free ids, lowest first (Fenwick tree)
+    cdef pagesets.PoolStack pool                # the pool: mapped, unused ids, a stack
+    cdef pagesets.PendingRing pending           # mapped ids behind a fence, and the ids whose unmap failed
     cdef int num_used                           # ids handed out
-    cdef int num_pending                        # ids waiting for their fence
     cdef int num_transit                        # ids in flight under map_lock
     cdef int refill_transit                     # of those, ids the background refill is mapping for the pool
     cdef int64_t refill_transit_weight          # their blocks (available_weight counts them as pool)
-    cdef int64_t pool_weight                    # sum of the weights of the pool's ids
-    cdef int32_t* pool                          # the pool, a stack (top = most recently returned)
-    cdef int32_t* pend_ids                      # ring of pending ids, FIFO, batches contiguous
-    cdef int pend_head                          # index of the oldest pending id in pend_ids
-    cdef uintptr_t* batch_fence                 # ring of pending batches: the fence of each
-    cdef int32_t* batch_count                   # ring of pending batches: ids in each
-    cdef int batch_head                         # index of the oldest batch
-    cdef int num_batches                        # batches in the ring
     cdef int32_t* scratch                       # ids being unmapped; used only by the holder of map_lock
-    cdef int32_t* retry_ids                     # pending ids (no fence) whose unmap failed: unmapped again by _drain
-    cdef int num_retry                          # ids in retry_ids (also counted in num_pending)
     cdef size_t phys_snapshot                   # backend's free physical bytes when last asked
     cdef size_t phys_base                       # backend.physical_bytes at that moment
     cdef double phys_time                       # monotonic seconds of that snapshot
@@ -133,14 +121,11 @@ cdef class PageAllocator:
     cdef int _take_pool_locked(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil  # 0 / _NEED_SLOW
     cdef void _push_pool(self, int n, const int32_t* ids) noexcept nogil     # ids onto the pool's top, in order
     cdef void _unpop_pool(self, int n, const int32_t* ids) noexcept nogil    # undo taking ids off the pool's top
-    cdef void _fw_add(self, int32_t page_id, int sign) noexcept nogil        # free set: add (+1) or remove (-1) an id
-    cdef int32_t _fw_pop_lowest(self) noexcept nogil                         # remove and return the lowest free id
-    cdef int _fw_count_for_weight(self, int64_t need) noexcept nogil         # lowest free ids holding `need`; -1 not enough
-    cdef int64_t _fw_weight_of_lowest(self, int k) noexcept nogil            # weight of the k lowest free ids
+    cdef void _to_transit(self, int n, const int32_t* ids) noexcept nogil    # ids (out of every set) into transit
     cdef void _release_page(self, int32_t page_id) noexcept nogil            # an unmapped id back to free / outside
-    cdef void _queue_retry(self, int32_t page_id) noexcept nogil             # a still-mapped id to the unmap retries
     cdef void _queue_pending_locked(self, int n, const int32_t* ids, uintptr_t fence) noexcept nogil  # mapped ids behind one fence
-    cdef int _settle_failed_map(self, int n, const int32_t* ids) noexcept nogil   # -> how many went back unmapped
+    cdef int _settle_unmapped(self, int n, const int32_t* ids) noexcept nogil   # transit ids after an unmap or a failed map -> how many were unmapped
+    cdef int _map_free_ids(self, int32_t* out, int np, int k, bint into_pool, int* pooled) except -1 nogil  # 0 / _OOM (settled), or raises
     cdef int _discard_used(self, int n, int32_t* ids) except -1 nogil        # unmap pages in use nobody will hand out; raises
     cdef int _check_usable(self) except -1 nogil                # 0, or raises KVCachedClosedError (closed / forked)
     cdef int _check_not_forked(self) except -1                  # 0, or raises KVCachedClosedError in a forked child

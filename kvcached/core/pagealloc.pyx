@@ -24,6 +24,12 @@ from kvcached.core._posix cimport (
     pthread_condattr_init, pthread_condattr_setclock, pthread_condattr_t, pthread_mutex_destroy, pthread_mutex_init,
     pthread_mutex_lock, pthread_mutex_trylock, pthread_mutex_unlock, timespec, usleep,
 )
+from kvcached.core.pagesets cimport (
+    freeset_check, freeset_count_for_weight, freeset_init, freeset_members, freeset_pop_lowest, freeset_release,
+    freeset_update, freeset_weight_of_lowest, pending_check, pending_copy, pending_init, pending_num,
+    pending_oldest_fence, pending_pop, pending_push, pending_release, pending_retry, pending_take_retries, pool_check,
+    pool_drop, pool_init, pool_pop, pool_push, pool_release,
+)
 from kvcached.core.vmm cimport (
     _OOM, lifecycle_check, lifecycle_check_owned, lifecycle_close, lifecycle_init, lifecycle_live, lifecycle_name,
     lifecycle_owned,
@@ -107,28 +113,17 @@ cdef class PageAllocator:
         self.policy.idle_trim_s = idle_trim_s
         self.page_bytes = page_table.num_segments * page_table.map_bytes
         self.state = <uint8_t*>calloc(P, sizeof(uint8_t))
-        self.weight = <int32_t*>malloc(P * sizeof(int32_t))
-        self.fw_count = <int32_t*>calloc(P + 1, sizeof(int32_t))
-        self.fw_weight = <int64_t*>calloc(P + 1, sizeof(int64_t))
-        self.pool = <int32_t*>malloc(P * sizeof(int32_t))
-        self.pend_ids = <int32_t*>malloc(P * sizeof(int32_t))
-        self.batch_fence = <uintptr_t*>malloc(P * sizeof(uintptr_t))
-        self.batch_count = <int32_t*>malloc(P * sizeof(int32_t))
-        self.scratch = <int32_t*>malloc(P * sizeof(int32_t))
-        self.retry_ids = <int32_t*>malloc(P * sizeof(int32_t))
-        if (self.retry_ids == NULL or self.state == NULL or self.weight == NULL or self.fw_count == NULL or self.fw_weight == NULL
-                or self.pool == NULL or self.pend_ids == NULL or self.batch_fence == NULL
-                or self.batch_count == NULL or self.scratch == NULL):
+        self.weight = <int32_t*>malloc(max(1, P) * sizeof(int32_t))
+        self.scratch = <int32_t*>malloc(max(1, P) * sizeof(int32_t))
+        if (self.state == NULL or self.weight == NULL or self.scratch == NULL
+                or freeset_init(&self.free_set, P, self.weight) != 0 or pool_init(&self.pool, P, self.weight) != 0
+                or pending_init(&self.pending, P) != 0):
             raise MemoryError("no memory for the page allocator")
-        self.fw_top = 1
-        while self.fw_top * 2 <= P:
-            self.fw_top *= 2
         for p in range(P):
             self.weight[p] = 1
         for p in range(capacity):
             self.state[p] = _PS_FREE
-            self._fw_add(p, 1)
-            self.num_free += 1
+            freeset_update(&self.free_set, p, 1)
         with nogil:
             pthread_mutex_lock(&self.map_lock)
             try:
@@ -140,21 +135,17 @@ cdef class PageAllocator:
     def __dealloc__(self):
         cdef int i
         cdef bint own = lifecycle_owned(&self.life)      # a forked child touches nothing: Note [Fork and close]
-        if own and self.batch_fence != NULL and self.backend is not None:
-            for i in range(self.num_batches):
+        if own and self.pending.fence != NULL and self.backend is not None:
+            for i in range(self.pending.num_batches):
                 try:
-                    self.backend._release_fence(self.batch_fence[(self.batch_head + i) % self.num_table_pages])
+                    self.backend._release_fence(self.pending.fence[(self.pending.batch_head + i) % self.pending.size])
                 except Exception:
                     pass
-        free(self.retry_ids)
+        freeset_release(&self.free_set)
+        pool_release(&self.pool)
+        pending_release(&self.pending)
         free(self.state)
         free(self.weight)
-        free(self.fw_count)
-        free(self.fw_weight)
-        free(self.pool)
-        free(self.pend_ids)
-        free(self.batch_fence)
-        free(self.batch_count)
         free(self.scratch)
         if own:
             pthread_mutex_destroy(&self.map_lock)
@@ -174,61 +165,12 @@ cdef class PageAllocator:
         """"live", "closed" (close() was called) or "forked" (inherited by a forked child)."""
         return lifecycle_name(&self.life)
 
-    # -- the free set: a Fenwick tree over page ids (count and weight) -----------------------
-    cdef void _fw_add(self, int32_t page_id, int sign) noexcept nogil:
-        cdef int i = page_id + 1
-        cdef int64_t w = <int64_t>self.weight[page_id] * sign
-        while i <= self.num_table_pages:
-            self.fw_count[i] += sign
-            self.fw_weight[i] += w
-            i += i & (-i)
-
-    cdef int32_t _fw_pop_lowest(self) noexcept nogil:
-        """Remove and return the lowest free id (the caller checked num_free > 0; under lock)."""
-        cdef int pos = 0, step = self.fw_top
-        while step:
-            if pos + step <= self.num_table_pages and self.fw_count[pos + step] < 1:
-                pos += step
-            step >>= 1
-        self._fw_add(pos, -1)
-        self.num_free -= 1
-        return pos
-
-    cdef int _fw_count_for_weight(self, int64_t need) noexcept nogil:
-        """How many of the lowest free ids it takes to hold `need` (> 0) weight; -1 if all of
-        them do not. O(log pages), under lock."""
-        cdef int pos = 0, step = self.fw_top, k = 0
-        cdef int64_t rest = need
-        while step:
-            if pos + step <= self.num_table_pages and self.fw_weight[pos + step] < rest:
-                pos += step
-                rest -= self.fw_weight[pos]
-                k += self.fw_count[pos]
-            step >>= 1
-        if pos >= self.num_table_pages:
-            return -1
-        return k + 1
-
-    cdef int64_t _fw_weight_of_lowest(self, int k) noexcept nogil:
-        """Total weight of the k lowest free ids (0 <= k <= num_free). O(log pages), under lock."""
-        cdef int pos = 0, step = self.fw_top, rest = k
-        cdef int64_t total = 0
-        if k <= 0:
-            return 0
-        while step:
-            if pos + step <= self.num_table_pages and self.fw_count[pos + step] < rest:
-                pos += step
-                rest -= self.fw_count[pos]
-                total += self.fw_weight[pos]
-            step >>= 1
-        return total + self.weight[pos]
-
+    # -- moving ids between the sets (under lock) --------------------------------------------
     cdef void _release_page(self, int32_t page_id) noexcept nogil:
         # an unmapped id goes back to the free set, or outside when above capacity (under lock)
         if page_id < self.capacity_pages and self.weight[page_id] > 0:
             self.state[page_id] = _PS_FREE
-            self._fw_add(page_id, 1)
-            self.num_free += 1
+            freeset_update(&self.free_set, page_id, 1)
         else:
             self.state[page_id] = _PS_OUTSIDE
 
@@ -236,13 +178,9 @@ cdef class PageAllocator:
         # ids[0..n) onto the pool's top, in that order (under lock; the caller moves the counts
         # of the state they leave)
         cdef int i
-        cdef int32_t p
         for i in range(n):
-            p = ids[i]
-            self.state[p] = _PS_POOL
-            self.pool[self.num_pool] = p
-            self.num_pool += 1
-            self.pool_weight += self.weight[p]
+            self.state[ids[i]] = _PS_POOL
+            pool_push(&self.pool, ids[i])
 
     cdef void _unpop_pool(self, int n, const int32_t* ids) noexcept nogil:
         # undo taking ids[0..n) off the pool's top, in that order (under lock)
@@ -250,17 +188,45 @@ cdef class PageAllocator:
         for i in range(n - 1, -1, -1):
             self._push_pool(1, ids + i)
 
+    cdef void _to_transit(self, int n, const int32_t* ids) noexcept nogil:
+        # ids the caller took out of their set go into transit (under lock)
+        cdef int i
+        for i in range(n):
+            self.state[ids[i]] = _PS_TRANSIT
+        self.num_transit += n
+
+    cdef int _settle_unmapped(self, int n, const int32_t* ids) noexcept nogil:
+        """Ids in transit after an unmap or a failed map (hold lock): each goes back to the free
+        set, or — when the driver left any of it mapped (the table still marks it) — pending, on
+        the unmap retries, still counted. Returns how many went back unmapped; the caller takes
+        them off num_transit. See Note [Failed unmap]."""
+        cdef int i, unmapped = 0
+        for i in range(n):
+            if self.table.mapped[ids[i]]:
+                self.state[ids[i]] = _PS_PENDING
+                pending_retry(&self.pending, ids[i])
+            else:
+                self._release_page(ids[i])
+                unmapped += 1
+        return unmapped
+
+    cdef void _queue_pending_locked(self, int n, const int32_t* ids, uintptr_t fence) noexcept nogil:
+        # n > 0 mapped ids wait behind one fence (the ring owns it), unmapped by _drain (hold lock)
+        cdef int i
+        for i in range(n):
+            self.state[ids[i]] = _PS_PENDING
+        pending_push(&self.pending, n, ids, fence)
+        self.num_fences += 1
+
     # -- taking pages -------------------------------------------------------------------------
     cdef int _take_pool_locked(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil:
         cdef int k = 0
         cdef int64_t got = 0
         cdef int32_t p
-        if (self.pool_weight if by_weight else self.num_pool) < need:
+        if (self.pool.weight_sum if by_weight else self.pool.num) < need:
             return _NEED_SLOW
         while got < need:
-            self.num_pool -= 1
-            p = self.pool[self.num_pool]
-            self.pool_weight -= self.weight[p]
+            p = pool_pop(&self.pool)
             self.state[p] = _PS_USED
             out[k] = p
             k += 1
@@ -271,7 +237,7 @@ cdef class PageAllocator:
         self.pages_taken += k
         self.activity += 1
         self.policy.idle_trimmed = False
-        if self.policy.bg_running and self.num_pool < self.policy.refill_target:
+        if self.policy.bg_running and self.pool.num < self.policy.refill_target:
             pthread_cond_signal(&self.policy.wake)
         return 0
 
@@ -303,10 +269,8 @@ cdef class PageAllocator:
         return self._take(need, True, out, n_out)
 
     cdef int _take(self, int64_t need, bint by_weight, int32_t* out, int* n_out) except -1 nogil:
-        cdef int rc = 0, np = 0, k = 0, i, unmapped
+        cdef int np, k, i, pooled
         cdef int64_t rest
-        cdef int32_t p
-        cdef bint finished = False, gated = False
         n_out[0] = 0
         if need <= 0:
             return 0
@@ -325,62 +289,26 @@ cdef class PageAllocator:
                 pthread_mutex_unlock(&self.lock)
                 return 0
             # Capacity first, before anything changes (Note [Page allocator states]).
-            rest = need - (self.pool_weight if by_weight else self.num_pool)
+            rest = need - (self.pool.weight_sum if by_weight else self.pool.num)
             if by_weight:
-                k = self._fw_count_for_weight(rest)
+                k = freeset_count_for_weight(&self.free_set, rest)
             else:
-                k = <int>rest if rest <= self.num_free else -1
+                k = <int>rest if rest <= self.free_set.num else -1
             if k >= 0 and self.limit_pages >= 0 and \
-                    self.num_used + self.num_pool + self.num_transit + k > self.limit_pages:
+                    self.num_used + self.pool.num + self.num_transit + k > self.limit_pages:
                 k = -1
             if k < 0:
                 self.num_oom += 1
                 pthread_mutex_unlock(&self.lock)
                 return _OOM
-            np = self.num_pool
+            np = self.pool.num
             for i in range(np):
-                p = self.pool[np - 1 - i]
-                self.state[p] = _PS_USED
-                out[i] = p
-            self.num_pool = 0
-            self.pool_weight = 0
+                out[i] = pool_pop(&self.pool)
+                self.state[out[i]] = _PS_USED
             self.num_used += np
-            for i in range(k):
-                p = self._fw_pop_lowest()
-                self.state[p] = _PS_TRANSIT
-                out[np + i] = p
-            self.num_transit += k
             self.activity += 1
             self.policy.idle_trimmed = False
-            pthread_mutex_unlock(&self.lock)
-            try:
-                if self.policy._gate_acquire(k, self.page_bytes) == 0:
-                    rc = _OOM
-                else:
-                    gated = True
-                    rc = self.table.map_pages(out + np, k)
-                finished = True
-            finally:
-                pthread_mutex_lock(&self.lock)
-                if finished and rc == 0:
-                    for i in range(k):
-                        self.state[out[np + i]] = _PS_USED
-                    self.num_used += k
-                    self.num_maps += k
-                    self.pages_taken += np + k
-                    if self.policy.bg_running and self.num_pool < self.policy.refill_target:
-                        pthread_cond_signal(&self.policy.wake)     # the slow path emptied the pool: refill now
-                    unmapped = 0
-                else:
-                    unmapped = self._settle_failed_map(k, out + np)
-                    self.num_used -= np
-                    self._unpop_pool(np, out)
-                    self.num_oom += 1
-                self.num_transit -= k
-                pthread_mutex_unlock(&self.lock)
-                if gated and unmapped:
-                    self.policy._gate_release(unmapped, self.page_bytes)
-            if rc != 0:
+            if self._map_free_ids(out, np, k, False, &pooled) != 0:
                 if np:      # returns may have filled the pool while we mapped: back within max_reserved
                     self._pool_out(self.max_reserved, self.num_table_pages)
                 self._refresh_physical()
@@ -390,13 +318,82 @@ cdef class PageAllocator:
         finally:
             pthread_mutex_unlock(&self.map_lock)
 
+    cdef int _map_free_ids(self, int32_t* out, int np, int k, bint into_pool, int* pooled) except -1 nogil:
+        """Map the k lowest free ids into out[np..np + k): the one protocol of a slow take and
+        of a refill chunk (Note [Mapping in transit]). Hold map_lock and lock; returns with lock
+        released. A take (into_pool False) passes the np pool ids it already moved to used in
+        out[0..np): on success all np + k are used; on failure the pool ids go back onto the pool
+        in their old order. A refill (into_pool True, np = 0) pools what still fits the pool and
+        the limit (pooled[0]); the rest stay in transit for the caller to unmap. On failure the
+        free ids go back (Note [Failed unmap]) and the gate gets back what it granted for them.
+        Returns 0 mapped, _OOM (the gate refused, out of memory), or raises (settled as failed)."""
+        cdef int32_t* ids = out + np
+        cdef int i, rc = 0, unmapped = 0, fits = 0
+        cdef bint finished = False, gated = False
+        for i in range(k):
+            ids[i] = freeset_pop_lowest(&self.free_set)
+            if into_pool:
+                self.refill_transit_weight += self.weight[ids[i]]
+        self._to_transit(k, ids)
+        if into_pool:
+            self.refill_transit += k
+        pthread_mutex_unlock(&self.lock)
+        try:
+            if self.policy._gate_acquire(k, self.page_bytes) == 0:
+                rc = _OOM
+            else:
+                gated = True
+                rc = self.table.map_pages(ids, k)
+            finished = True
+        finally:
+            pthread_mutex_lock(&self.lock)
+            if into_pool:
+                self.refill_transit -= k
+                for i in range(k):
+                    self.refill_transit_weight -= self.weight[ids[i]]
+            if finished and rc == 0 and into_pool:
+                # a limit set, or returns that filled the pool, while we mapped win: keep only
+                # what still fits (the pool never exceeds max_reserved)
+                fits = max(0, min(k, self.max_reserved - self.pool.num))
+                if self.limit_pages >= 0:
+                    fits = max(0, min(fits, self.limit_pages - self.num_used - self.pool.num - (self.num_transit - k)))
+                self._push_pool(fits, ids)
+                self.num_transit -= fits
+                self.num_maps += k
+                self.num_refills += 1
+                pooled[0] = fits
+                if fits:
+                    pthread_cond_broadcast(&self.policy.pool_cv)
+            elif finished and rc == 0:
+                for i in range(k):
+                    self.state[ids[i]] = _PS_USED
+                self.num_used += k
+                self.num_transit -= k
+                self.num_maps += k
+                self.pages_taken += np + k
+                if self.policy.bg_running and self.pool.num < self.policy.refill_target:
+                    pthread_cond_signal(&self.policy.wake)     # the slow path emptied the pool: refill now
+            else:
+                unmapped = self._settle_unmapped(k, ids)
+                self.num_transit -= k
+                if into_pool:
+                    self.num_refill_failures += 1
+                else:
+                    self.num_used -= np
+                    self._unpop_pool(np, out)
+                    self.num_oom += 1
+            pthread_mutex_unlock(&self.lock)
+            if gated and unmapped:
+                self.policy._gate_release(unmapped, self.page_bytes)
+        return rc
+
     # -- returning pages ----------------------------------------------------------------------
     cdef int return_pages_fast(self, int n, const int32_t* ids) noexcept nogil:
         """Put n used pages into the pool if all fit (pool <= max_reserved, limit respected).
         Returns 0, or _NEED_SLOW with nothing changed. No driver call, no Python. Takes lock."""
         pthread_mutex_lock(&self.lock)
-        if self.num_pool + n > self.max_reserved or (
-                self.limit_pages >= 0 and self.num_used + self.num_pool + self.num_transit > self.limit_pages):
+        if self.pool.num + n > self.max_reserved or (
+                self.limit_pages >= 0 and self.num_used + self.pool.num + self.num_transit > self.limit_pages):
             pthread_mutex_unlock(&self.lock)
             return _NEED_SLOW
         self._push_pool(n, ids)
@@ -429,9 +426,9 @@ cdef class PageAllocator:
                 self.num_used -= n
                 pthread_mutex_unlock(&self.lock)
         pthread_mutex_lock(&self.lock)
-        room = self.max_reserved - self.num_pool
+        room = self.max_reserved - self.pool.num
         if self.limit_pages >= 0:
-            room = min(room, self.limit_pages - (self.num_used - n) - self.num_pool - self.num_transit)
+            room = min(room, self.limit_pages - (self.num_used - n) - self.pool.num - self.num_transit)
         k = max(0, min(n, room))
         self._push_pool(k, ids)
         if n > k:
@@ -453,16 +450,13 @@ cdef class PageAllocator:
     cdef int _discard_used(self, int n, int32_t* ids) except -1 nogil:
         """Unmap pages in use that their taker cannot hand out (its BlockAllocator was closed
         while it mapped them). Takes map_lock and lock."""
-        cdef int i
         if n <= 0:
             return 0
         pthread_mutex_lock(&self.map_lock)
         try:
             pthread_mutex_lock(&self.lock)
-            for i in range(n):
-                self.state[ids[i]] = _PS_TRANSIT
+            self._to_transit(n, ids)
             self.num_used -= n
-            self.num_transit += n
             pthread_mutex_unlock(&self.lock)
             self._unmap_ids(n, ids)
         finally:
@@ -470,57 +464,19 @@ cdef class PageAllocator:
         return 0
 
     # -- unmapping (the holder of map_lock) ---------------------------------------------------
-    cdef int _settle_failed_map(self, int n, const int32_t* ids) noexcept nogil:
-        """Ids in transit whose map failed (hold lock): each goes back to the free set, or — when
-        the undo could not unmap all of it (the table still marks it) — to the unmap retries.
-        Returns how many went back unmapped. See Note [Failed unmap]."""
-        cdef int i, unmapped = 0
-        for i in range(n):
-            if self.table.mapped[ids[i]]:
-                self._queue_retry(ids[i])
-            else:
-                self._release_page(ids[i])
-                unmapped += 1
-        return unmapped
-
-    cdef void _queue_retry(self, int32_t page_id) noexcept nogil:
-        # still mapped after a failed unmap: pending with no fence, unmapped again by _drain (under lock)
-        self.state[page_id] = _PS_PENDING
-        self.retry_ids[self.num_retry] = page_id
-        self.num_retry += 1
-        self.num_pending += 1
-
-    cdef void _queue_pending_locked(self, int n, const int32_t* ids, uintptr_t fence) noexcept nogil:
-        # n > 0 mapped ids wait behind one fence (the ring owns it), unmapped by _drain (hold lock)
-        cdef int i, tail = self.pend_head + self.num_pending - self.num_retry     # retries are not in the ring
-        for i in range(n):
-            self.state[ids[i]] = _PS_PENDING
-            self.pend_ids[(tail + i) % self.num_table_pages] = ids[i]
-        i = (self.batch_head + self.num_batches) % self.num_table_pages
-        self.batch_fence[i] = fence
-        self.batch_count[i] = n
-        self.num_batches += 1
-        self.num_pending += n
-        self.num_fences += 1
-
     cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil:
         """Unmap ids in transit (hold map_lock, not lock) and put them back as free/outside; an id
         the driver refused to unmap stays mapped and counted, queued for a retry by the next
         drain, never lost (Note [Failed unmap]). The budget gate gets back exactly the pages
         unmapped. Raises only for failures past the unmap itself (the ids settled the same way)."""
-        cdef int i, unmapped = 0
+        cdef int unmapped = 0
         if n <= 0:
             return 0
         try:
             self.table.unmap_pages(ids, n)
         finally:
             pthread_mutex_lock(&self.lock)
-            for i in range(n):
-                if self.table.mapped[ids[i]]:
-                    self._queue_retry(ids[i])
-                else:
-                    self._release_page(ids[i])
-                    unmapped += 1
+            unmapped = self._settle_unmapped(n, ids)
             self.num_transit -= n
             self.num_unmaps += unmapped
             if unmapped < n:
@@ -535,20 +491,15 @@ cdef class PageAllocator:
         fences of one stream complete in order. Then unmaps again, once, the ids whose unmap
         failed before (Note [Failed unmap])."""
         cdef uintptr_t fence
-        cdef int c, i
+        cdef int c
         while True:
             pthread_mutex_lock(&self.lock)
-            if self.num_batches == 0:
-                c = self.num_retry
-                for i in range(c):
-                    self.scratch[i] = self.retry_ids[i]
-                    self.state[self.scratch[i]] = _PS_TRANSIT
-                self.num_retry = 0
-                self.num_pending -= c
-                self.num_transit += c
+            if self.pending.num_batches == 0:
+                c = pending_take_retries(&self.pending, self.scratch)
+                self._to_transit(c, self.scratch)
                 pthread_mutex_unlock(&self.lock)
                 return self._unmap_ids(c, self.scratch)
-            fence = self.batch_fence[self.batch_head]
+            fence = pending_oldest_fence(&self.pending)
             pthread_mutex_unlock(&self.lock)
             if self.backend._fence_done(fence) != 1:
                 if not wait_all:
@@ -556,15 +507,8 @@ cdef class PageAllocator:
                 usleep(50)
                 continue
             pthread_mutex_lock(&self.lock)
-            c = self.batch_count[self.batch_head]
-            for i in range(c):
-                self.scratch[i] = self.pend_ids[(self.pend_head + i) % self.num_table_pages]
-                self.state[self.scratch[i]] = _PS_TRANSIT
-            self.pend_head = (self.pend_head + c) % self.num_table_pages
-            self.batch_head = (self.batch_head + 1) % self.num_table_pages
-            self.num_batches -= 1
-            self.num_pending -= c
-            self.num_transit += c
+            c = pending_pop(&self.pending, self.scratch)
+            self._to_transit(c, self.scratch)
             pthread_mutex_unlock(&self.lock)
             self.backend._release_fence(fence)
             self._unmap_ids(c, self.scratch)
@@ -575,29 +519,13 @@ cdef class PageAllocator:
         queued before their blocks were freed may still read them (Note [Deferred unmap]). Then
         unmaps what is due (on the host: all of it). Hold map_lock. If the fence cannot be
         recorded the ids go back onto the pool, mapped, and the error is raised."""
-        cdef int i, j = 0, n = 0, k = -1
-        cdef int32_t p
+        cdef int n, k = -1
         cdef uintptr_t fence = 0
         pthread_mutex_lock(&self.lock)
         if keep < 0:
-            keep = self.num_pool if self.limit_pages < 0 else max(0, self.limit_pages - self.num_used - self.num_transit)
-        for i in range(self.num_pool):
-            p = self.pool[i]
-            if p >= below:
-                self.scratch[n] = p
-                n += 1
-            else:
-                self.pool[j] = p
-                j += 1
-        self.num_pool = j
-        while self.num_pool > keep:
-            self.num_pool -= 1
-            self.scratch[n] = self.pool[self.num_pool]
-            n += 1
-        for i in range(n):
-            self.state[self.scratch[i]] = _PS_TRANSIT
-            self.pool_weight -= self.weight[self.scratch[i]]
-        self.num_transit += n
+            keep = self.pool.num if self.limit_pages < 0 else max(0, self.limit_pages - self.num_used - self.num_transit)
+        n = pool_drop(&self.pool, below, keep, self.scratch)
+        self._to_transit(n, self.scratch)
         pthread_mutex_unlock(&self.lock)
         if n == 0:
             return 0
@@ -620,60 +548,23 @@ cdef class PageAllocator:
         while it stops or the pool was trimmed), the driver call outside `lock`; returns how
         many went into the pool (0: nothing to do, or out of memory / the gate refused, which
         sets failed[0]). Takes map_lock. See Note [Background thread]."""
-        cdef int k, i, fits = 0, rc = 0, unmapped = 0
-        cdef bint finished = False, gated = False
-        cdef int32_t p
+        cdef int k, rc = _OOM, fits = 0
         pthread_mutex_lock(&self.map_lock)
         try:
             pthread_mutex_lock(&self.lock)
             k = 0
             if not (self.policy.bg_stopping or self.policy.idle_trimmed):
-                k = min(self.policy.refill_target - self.num_pool, self.num_free, chunk)
+                k = min(self.policy.refill_target - self.pool.num, self.free_set.num, chunk)
                 if self.limit_pages >= 0:
-                    k = min(k, self.limit_pages - self.num_used - self.num_pool - self.num_transit)
+                    k = min(k, self.limit_pages - self.num_used - self.pool.num - self.num_transit)
             if k <= 0:
                 pthread_mutex_unlock(&self.lock)
                 return 0
-            for i in range(k):
-                p = self._fw_pop_lowest()
-                self.state[p] = _PS_TRANSIT
-                self.scratch[i] = p
-                self.refill_transit_weight += self.weight[p]
-            self.num_transit += k
-            self.refill_transit += k
-            pthread_mutex_unlock(&self.lock)
             try:
-                if self.policy._gate_acquire(k, self.page_bytes) == 0:
-                    rc = _OOM
-                else:
-                    gated = True
-                    rc = self.table.map_pages(self.scratch, k)
-                finished = True
+                rc = self._map_free_ids(self.scratch, 0, k, True, &fits)
             finally:
-                pthread_mutex_lock(&self.lock)
-                self.refill_transit -= k
-                for i in range(k):
-                    self.refill_transit_weight -= self.weight[self.scratch[i]]
-                if finished and rc == 0:
-                    # a limit set, or returns that filled the pool, while we mapped win: keep
-                    # only what still fits (the pool never exceeds max_reserved)
-                    fits = max(0, min(k, self.max_reserved - self.num_pool))
-                    if self.limit_pages >= 0:
-                        fits = max(0, min(fits, self.limit_pages - self.num_used - self.num_pool - (self.num_transit - k)))
-                    self._push_pool(fits, self.scratch)
-                    self.num_transit -= fits
-                    self.num_maps += k
-                    self.num_refills += 1
-                    if fits:
-                        pthread_cond_broadcast(&self.policy.pool_cv)
-                else:
-                    unmapped = self._settle_failed_map(k, self.scratch)
-                    self.num_transit -= k
-                    self.num_refill_failures += 1
+                if rc != 0:
                     failed[0] = True
-                pthread_mutex_unlock(&self.lock)
-                if gated and (not finished or rc != 0) and unmapped:
-                    self.policy._gate_release(unmapped, self.page_bytes)
             if rc != 0:
                 self._refresh_physical()
                 return 0
@@ -704,12 +595,12 @@ cdef class PageAllocator:
         with nogil:
             pthread_mutex_lock(&self.map_lock)
             pthread_mutex_lock(&self.lock)
-            busy = self.weights_bound or self.num_used or self.num_pool or self.num_pending or self.num_transit
+            busy = (self.weights_bound or self.num_used or self.pool.num or pending_num(&self.pending)
+                    or self.num_transit)
             if not busy:
                 for p in range(self.num_table_pages):
                     if self.state[p] == _PS_FREE:
-                        self._fw_add(p, -1)
-                        self.num_free -= 1
+                        freeset_update(&self.free_set, p, -1)
                     self.weight[p] = weights[p]
                     self.state[p] = _PS_OUTSIDE
                     if p < self.capacity_pages:
@@ -736,18 +627,18 @@ cdef class PageAllocator:
         physical = self.backend.physical_bytes
         cached = self.backend.cached_bytes
         free_phys = <int64_t>self.phys_snapshot - (<int64_t>physical - <int64_t>self.phys_base) + <int64_t>cached
-        k = self.num_free
+        k = self.free_set.num
         if self.limit_pages >= 0:
-            k = min(k, <int64_t>self.limit_pages - self.num_used - self.num_pool - self.num_transit)
+            k = min(k, <int64_t>self.limit_pages - self.num_used - self.pool.num - self.num_transit)
         k = min(k, free_phys // <int64_t>self.page_bytes - self.refill_transit)
         if max_new_pages >= 0:
             k = min(k, max_new_pages)
         k = max(0, k)
         # pages the refill is mapping reach the pool, and a caller short of pages waits for them
         if by_weight:
-            k = (self.pool_weight + self.refill_transit_weight + self._fw_weight_of_lowest(<int>k))
+            k = self.pool.weight_sum + self.refill_transit_weight + freeset_weight_of_lowest(&self.free_set, <int>k)
         else:
-            k += self.num_pool + self.refill_transit
+            k += self.pool.num + self.refill_transit
         pthread_mutex_unlock(&self.lock)
         return k
 
@@ -894,8 +785,7 @@ cdef class PageAllocator:
                     if num_pages < old:
                         for p in range(num_pages, old):
                             if self.state[p] == _PS_FREE:
-                                self._fw_add(p, -1)
-                                self.num_free -= 1
+                                freeset_update(&self.free_set, p, -1)
                                 self.state[p] = _PS_OUTSIDE
                     self.capacity_pages = num_pages
                     for p in range(old, num_pages):
@@ -1012,13 +902,13 @@ cdef class PageAllocator:
         self._check_not_forked()
         with nogil:
             pthread_mutex_lock(&self.lock)
-            v[0] = self.capacity_pages; v[1] = self.num_free; v[2] = self.num_used; v[3] = self.num_pool
-            v[4] = self.num_pending; v[5] = self.num_transit; v[6] = self.limit_pages; v[7] = self.table.num_mapped
+            v[0] = self.capacity_pages; v[1] = self.free_set.num; v[2] = self.num_used; v[3] = self.pool.num
+            v[4] = pending_num(&self.pending); v[5] = self.num_transit; v[6] = self.limit_pages; v[7] = self.table.num_mapped
             c[0] = self.num_maps; c[1] = self.num_unmaps; c[2] = self.num_pool_hits; c[3] = self.num_slow_path
             c[4] = self.num_oom; c[5] = self.num_fences; c[6] = self.policy.num_idle_trims; c[7] = self.num_refills
-            c[8] = self.activity; c[9] = <uint64_t>self.pool_weight
+            c[8] = self.activity; c[9] = <uint64_t>self.pool.weight_sum
             c[10] = self.policy.num_pool_waits; c[11] = self.pages_taken; v[8] = self.policy.refill_target
-            v[9] = self.num_retry; c[12] = self.num_unmap_failures
+            v[9] = self.pending.num_retry; c[12] = self.num_unmap_failures
             c[13] = self.num_refill_failures; c[14] = self.policy.num_bg_rounds
             phys = self.phys_snapshot
             pthread_mutex_unlock(&self.lock)
@@ -1050,82 +940,62 @@ cdef class PageAllocator:
         return arr
 
     def check_invariants(self):
-        """O(pages): every id in exactly one state; counts, the pool, the pending ring, the free
-        set (Fenwick tree) and the pool weight agree; mapped ids are exactly pool + used +
-        pending (the table's bits); in-use + pool within the limit when pages were added under
-        it. Raises AssertionError naming the first broken one."""
+        """O(pages log pages): each set's own check (the free set's tree, the pool stack, the
+        pending ring: kvcached.core.pagesets), then what ties them together: every id in exactly
+        one state, each set holding exactly the ids of its state, the counts agreeing, and the
+        mapped ids exactly pool + used + pending (the table's bits). Raises AssertionError naming
+        the first broken one."""
         import numpy as np
-        cdef int P = self.num_table_pages
-        state = np.empty(P, dtype=np.uint8)
-        mapped = np.empty(P, dtype=np.uint8)
-        weight = np.empty(P, dtype=np.int32)
-        pool = np.empty(P, dtype=np.int32)
-        pend = np.empty(P, dtype=np.int32)
-        fwc = np.empty(P + 1, dtype=np.int32)
-        fww = np.empty(P + 1, dtype=np.int64)
-        cdef uint8_t[::1] vs = state, vm = mapped
-        cdef int32_t[::1] vw = weight, vp = pool, vq = pend, vc = fwc
-        cdef int64_t[::1] vf = fww
-        cdef int v[11]
-        cdef int64_t pool_weight
-        cdef int i
+        cdef int P = self.num_table_pages, n = max(1, P)
+        state, mapped, free_ids = (np.zeros(n, dtype=np.uint8) for _ in range(3))
+        weight, pool, pend = (np.zeros(n, dtype=np.int32) for _ in range(3))
+        cdef uint8_t[::1] vs = state, vm = mapped, vf = free_ids
+        cdef int32_t[::1] vw = weight, vp = pool, vq = pend
+        cdef int v[8]
+        cdef char msg[256]
+        cdef int rc
         self._check_not_forked()
         with nogil:
             pthread_mutex_lock(&self.map_lock)
             pthread_mutex_lock(&self.lock)
+            rc = freeset_check(&self.free_set, msg, sizeof(msg))
+            if rc == 0:
+                rc = pool_check(&self.pool, P, msg, sizeof(msg))
+            if rc == 0:
+                rc = pending_check(&self.pending, msg, sizeof(msg))
             memcpy(&vs[0], self.state, P)
             memcpy(&vm[0], self.table.mapped, P)
             memcpy(&vw[0], self.weight, P * sizeof(int32_t))
-            memcpy(&vp[0], self.pool, P * sizeof(int32_t))
-            for i in range(self.num_pending - self.num_retry):
-                vq[i] = self.pend_ids[(self.pend_head + i) % P]
-            for i in range(self.num_retry):
-                vq[self.num_pending - self.num_retry + i] = self.retry_ids[i]
-            memcpy(&vc[0], self.fw_count, (P + 1) * sizeof(int32_t))
-            memcpy(&vf[0], self.fw_weight, (P + 1) * sizeof(int64_t))
-            v[0] = self.num_free; v[1] = self.num_pool; v[2] = self.num_used; v[3] = self.num_pending
+            memcpy(&vp[0], self.pool.ids, self.pool.num * sizeof(int32_t))
+            pending_copy(&self.pending, &vq[0])
+            freeset_members(&self.free_set, &vf[0])
+            v[0] = self.free_set.num; v[1] = self.pool.num; v[2] = self.num_used; v[3] = pending_num(&self.pending)
             v[4] = self.num_transit; v[5] = self.capacity_pages; v[6] = self.table.num_mapped
-            v[7] = self.num_batches; v[8] = self.batch_head
-            pool_weight = self.pool_weight
-            v[9] = 0
-            for i in range(self.num_batches):
-                v[9] += self.batch_count[(self.batch_head + i) % P]
-            v[10] = self.num_retry
             pthread_mutex_unlock(&self.lock)
             pthread_mutex_unlock(&self.map_lock)
+        if rc != 0:
+            raise AssertionError((<bytes>msg).decode())
+        state, mapped, weight, free_ids = state[:P], mapped[:P], weight[:P], free_ids[:P]
         counts = np.bincount(state, minlength=6)
         assert counts[_PS_FREE] == v[0], f"free ids {counts[_PS_FREE]} != num_free {v[0]}"
         assert counts[_PS_POOL] == v[1], f"pool ids {counts[_PS_POOL]} != num_pool {v[1]}"
         assert counts[_PS_USED] == v[2], f"used ids {counts[_PS_USED]} != num_used {v[2]}"
         assert counts[_PS_PENDING] == v[3], f"pending ids {counts[_PS_PENDING]} != num_pending {v[3]}"
         assert counts[_PS_TRANSIT] == 0 == v[4], f"ids in transit with map_lock held: {counts[_PS_TRANSIT]}, {v[4]}"
-        assert v[9] + v[10] == v[3], f"pending batches hold {v[9]} ids and retries {v[10]}, num_pending {v[3]}"
-        pool_ids = pool[:v[1]]
-        assert np.unique(pool_ids).size == v[1] and (state[pool_ids] == _PS_POOL).all(), "pool stack disagrees with states"
-        assert int(weight[pool_ids].sum()) == pool_weight, "pool weight disagrees"
-        pend_ids = pend[:v[3]]
-        assert np.unique(pend_ids).size == v[3] and (state[pend_ids] == _PS_PENDING).all(), "pending ring disagrees"
+        assert (state[pool[:v[1]]] == _PS_POOL).all(), "pool stack disagrees with states"
+        assert (state[pend[:v[3]]] == _PS_PENDING).all(), "pending ring disagrees with states"
+        is_free = state == _PS_FREE
+        assert (free_ids.astype(bool) == is_free).all(), "free set disagrees with the states"
         is_mapped = np.isin(state, (_PS_POOL, _PS_USED, _PS_PENDING))
         assert (mapped[state != _PS_PENDING] != 2).all(), "a page id partly unmapped after a failure is not pending"
         assert (is_mapped == (mapped != 0)).all(), \
             f"mapped ids {np.flatnonzero(mapped).tolist()} != pool+used+pending {np.flatnonzero(is_mapped).tolist()}"
         assert int(is_mapped.sum()) == v[6], "table num_mapped disagrees"
-        free_ids = state == _PS_FREE
-        assert (np.flatnonzero(free_ids) < v[5]).all(), "a free id lies at or above capacity"
-        assert (weight[free_ids] > 0).all(), "a free id holds no block"
+        assert (np.flatnonzero(is_free) < v[5]).all(), "a free id lies at or above capacity"
+        assert (weight[is_free] > 0).all(), "a free id holds no block"
         outside_low = np.flatnonzero((state == _PS_OUTSIDE)[:v[5]])
         assert (weight[outside_low] == 0).all(), f"ids {outside_low.tolist()} below capacity are lost"
         assert (state[v[5]:] != _PS_USED).all() and (state[v[5]:] != _PS_FREE).all(), "in use/free above capacity"
-        # the Fenwick tree: rebuild from the states and compare
-        cnt = np.zeros(P + 1, dtype=np.int64)
-        wt = np.zeros(P + 1, dtype=np.int64)
-        for p in np.flatnonzero(free_ids).tolist():
-            j = p + 1
-            while j <= P:
-                cnt[j] += 1
-                wt[j] += weight[p]
-                j += j & -j
-        assert (cnt == fwc).all() and (wt == fww).all(), "free-set tree disagrees with the states"
         return True
 
 
@@ -1139,6 +1009,15 @@ cdef class PageAllocator:
 # caller sees the allocator as before. resize and limits hold map_lock too, so no transit id can
 # be dropped under a mapper; the refill still re-checks the limit after mapping, because
 # set_limit_pages changes it under `lock` alone, before it waits for map_lock to trim the pool.
+#
+# Note [Mapping in transit]
+# A slow take and a refill chunk map free ids the same way, in _map_free_ids: pop the k lowest
+# free ids into transit under `lock`, release it, ask the budget gate, map (map_lock held, so no
+# one else maps or unmaps), take `lock` again and settle, then release the gate's bytes of what
+# went back unmapped. Only what a success means differs: a take's ids become used (with the pool
+# ids it took first), a refill's go into the pool as far as max_reserved and the limit still
+# allow. A failure (the gate refused, out of memory, an error) undoes both the same way. Ids
+# that leave transit after an unmap or a failed map are settled by one loop, _settle_unmapped.
 #
 # Note [Failed unmap]
 # An unmap the driver refuses (host: ENOMEM at vm.max_map_count, where every mmap fails, even one
@@ -1219,12 +1098,12 @@ cdef class RefillPolicy:
     cdef bint _refill_covers(self, PageAllocator pa, int64_t need, bint by_weight) noexcept nogil:
         # would the pool, once the running refill round reaches its target, hold `need`? (under
         # lock; pages in transit are not counted, so it errs towards "no")
-        cdef int k = min(self.refill_target - pa.num_pool, pa.num_free)
+        cdef int k = min(self.refill_target - pa.pool.num, pa.free_set.num)
         if k <= 0:
             return False
         if by_weight:
-            return pa.pool_weight + pa._fw_weight_of_lowest(k) >= need
-        return pa.num_pool + k >= need
+            return pa.pool.weight_sum + freeset_weight_of_lowest(&pa.free_set, k) >= need
+        return pa.pool.num + k >= need
 
     cdef int _wait_for_refill(self, PageAllocator pa, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil:
         """The pool is short: while the background thread is refilling it and its round will
@@ -1308,13 +1187,13 @@ cdef class RefillPolicy:
         cdef uint64_t act
         pthread_mutex_lock(&pa.lock)
         if not self.bg_stopping:
-            want = (not self.idle_trimmed and pa.num_pool < self.refill_target and pa.num_free > 0
+            want = (not self.idle_trimmed and pa.pool.num < self.refill_target and pa.free_set.num > 0
                     and (pa.limit_pages < 0
-                         or pa.num_used + pa.num_pool + pa.num_transit < pa.limit_pages))
+                         or pa.num_used + pa.pool.num + pa.num_transit < pa.limit_pages))
             if self.bg_backoff or not want:
                 # pending fences and unmap retries are looked at every 10 ms, never in a busy loop
-                period = 0.01 if pa.num_batches > 0 or pa.num_retry > 0 else 0.1
-                if self.idle_trim_s > 0 and not self.idle_trimmed and pa.num_pool > 0:
+                period = 0.01 if pa.pending.num_batches > 0 or pa.pending.num_retry > 0 else 0.1
+                if self.idle_trim_s > 0 and not self.idle_trimmed and pa.pool.num > 0:
                     period = max(0.001, min(period, self.bg_active_time + self.idle_trim_s - _now()))
                 clock_gettime(CLOCK_MONOTONIC, &deadline)
                 deadline.tv_sec += <long>period

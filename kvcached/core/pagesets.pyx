@@ -1,0 +1,352 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
+"""kvcached.core.pagesets: the three sets of page ids a PageAllocator keeps, each with its check.
+
+FreeSet holds the unmapped ids below capacity as a Fenwick tree, so that the lowest go first and
+"the weight of the k lowest" is O(log pages); PoolStack the mapped, unused ids (last returned,
+first reused); PendingRing the mapped ids waiting for their fence, in batches, and the ids whose
+unmap failed. Their operations are inline in pagesets.pxd (the pool fast path pays no call);
+this module allocates them and checks each one's own invariant. Which state a page id is in,
+and that the sets agree with it, is the allocator's business (kvcached.core.pagealloc).
+
+The ``*_step`` functions at the bottom are test hooks: they run one operation or check on a set
+held in plain numpy arrays, so the sets can be tested (and corrupted) without an allocator.
+"""
+
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
+from libc.stdio cimport snprintf
+from libc.stdlib cimport calloc, free, malloc
+
+
+# -- the free set --------------------------------------------------------------------------------
+cdef int freeset_init(FreeSet* s, int size, const int32_t* weight) noexcept nogil:
+    s.count = <int32_t*>calloc(size + 1, sizeof(int32_t))
+    s.weight_sum = <int64_t*>calloc(size + 1, sizeof(int64_t))
+    s.weight = weight
+    s.size = size
+    s.num = 0
+    s.top = 1
+    while s.top * 2 <= size:
+        s.top *= 2
+    return 0 if s.count != NULL and s.weight_sum != NULL else -1
+
+
+cdef void freeset_release(FreeSet* s) noexcept nogil:
+    free(s.count)
+    free(s.weight_sum)
+    s.count = NULL
+    s.weight_sum = NULL
+
+
+cdef inline int64_t _prefix_count(const FreeSet* s, int i) noexcept nogil:
+    # ids in [0, i) by the tree
+    cdef int64_t total = 0
+    while i > 0:
+        total += s.count[i]
+        i -= i & (-i)
+    return total
+
+
+cdef inline int64_t _prefix_weight(const FreeSet* s, int i) noexcept nogil:
+    cdef int64_t total = 0
+    while i > 0:
+        total += s.weight_sum[i]
+        i -= i & (-i)
+    return total
+
+
+cdef int freeset_check(const FreeSet* s, char* msg, size_t cap) noexcept nogil:
+    """Recount: each id in the set once or not at all, with its own weight, and num ids in all
+    (O(size log size))."""
+    cdef int p
+    cdef int64_t c, w, total = 0
+    for p in range(s.size):
+        c = _prefix_count(s, p + 1) - _prefix_count(s, p)
+        w = _prefix_weight(s, p + 1) - _prefix_weight(s, p)
+        if c != 0 and c != 1:
+            snprintf(msg, cap, "free set: page id %d is in it %lld times", p, <long long>c)
+            return -1
+        if w != c * s.weight[p]:
+            snprintf(msg, cap, "free set: page id %d has weight %lld in the tree, %d in the weights",
+                     p, <long long>w, <int>(c * s.weight[p]))
+            return -1
+        total += c
+    if total != s.num:
+        snprintf(msg, cap, "free set: the tree holds %lld ids, num says %d", <long long>total, s.num)
+        return -1
+    return 0
+
+
+cdef void freeset_members(const FreeSet* s, uint8_t* out) noexcept nogil:
+    cdef int p
+    for p in range(s.size):
+        out[p] = 1 if _prefix_count(s, p + 1) != _prefix_count(s, p) else 0
+
+
+# -- the pool ------------------------------------------------------------------------------------
+cdef int pool_init(PoolStack* s, int size, const int32_t* weight) noexcept nogil:
+    s.ids = <int32_t*>malloc(max(1, size) * sizeof(int32_t))
+    s.weight = weight
+    s.num = 0
+    s.weight_sum = 0
+    return 0 if s.ids != NULL else -1
+
+
+cdef void pool_release(PoolStack* s) noexcept nogil:
+    free(s.ids)
+    s.ids = NULL
+
+
+cdef int pool_check(const PoolStack* s, int size, char* msg, size_t cap) noexcept nogil:
+    """No id twice, every id below size, and weight_sum the sum of their weights."""
+    cdef int i
+    cdef int32_t p
+    cdef int64_t total = 0
+    cdef uint8_t* seen
+    if not 0 <= s.num <= size:
+        snprintf(msg, cap, "pool: %d ids, outside [0, %d]", s.num, size)
+        return -1
+    seen = <uint8_t*>calloc(max(1, size), 1)
+    if seen == NULL:
+        snprintf(msg, cap, "pool: no memory for the check")
+        return -1
+    for i in range(s.num):
+        p = s.ids[i]
+        if not 0 <= p < size or seen[p]:
+            snprintf(msg, cap, "pool: page id %d at %d is out of range or repeated", p, i)
+            free(seen)
+            return -1
+        seen[p] = 1
+        total += s.weight[p]
+    free(seen)
+    if total != s.weight_sum:
+        snprintf(msg, cap, "pool: weights sum to %lld, weight_sum says %lld", <long long>total, <long long>s.weight_sum)
+        return -1
+    return 0
+
+
+cdef int pool_drop(PoolStack* s, int below, int keep, int32_t* out) noexcept nogil:
+    """Remove the ids >= below (the others keep their order), then ids from the top until at
+    most `keep` remain; they go to out, returns how many."""
+    cdef int i, j = 0, n = 0
+    cdef int32_t p
+    for i in range(s.num):
+        p = s.ids[i]
+        if p >= below:
+            out[n] = p
+            n += 1
+        else:
+            s.ids[j] = p
+            j += 1
+    s.num = j
+    while s.num > keep:
+        s.num -= 1
+        out[n] = s.ids[s.num]
+        n += 1
+    for i in range(n):
+        s.weight_sum -= s.weight[out[i]]
+    return n
+
+
+# -- the pending ring ----------------------------------------------------------------------------
+cdef int pending_init(PendingRing* r, int size) noexcept nogil:
+    cdef int n = max(1, size)
+    r.ids = <int32_t*>malloc(n * sizeof(int32_t))
+    r.fence = <uintptr_t*>malloc(n * sizeof(uintptr_t))
+    r.count = <int32_t*>malloc(n * sizeof(int32_t))
+    r.retry = <int32_t*>malloc(n * sizeof(int32_t))
+    r.size = n
+    r.head = r.num_fenced = r.batch_head = r.num_batches = r.num_retry = 0
+    return 0 if r.ids != NULL and r.fence != NULL and r.count != NULL and r.retry != NULL else -1
+
+
+cdef void pending_release(PendingRing* r) noexcept nogil:
+    free(r.ids)
+    free(r.fence)
+    free(r.count)
+    free(r.retry)
+    r.ids = r.retry = r.count = NULL
+    r.fence = NULL
+
+
+cdef int pending_copy(const PendingRing* r, int32_t* out) noexcept nogil:
+    cdef int i
+    for i in range(r.num_fenced):
+        out[i] = r.ids[(r.head + i) % r.size]
+    for i in range(r.num_retry):
+        out[r.num_fenced + i] = r.retry[i]
+    return r.num_fenced + r.num_retry
+
+
+cdef int pending_check(const PendingRing* r, char* msg, size_t cap) noexcept nogil:
+    """Counts in range, every batch non-empty, the batch counts sum to the fenced ids, and no
+    id twice (ring and retries together)."""
+    cdef int i, n
+    cdef int64_t total = 0
+    cdef int32_t p
+    cdef int32_t* ids
+    cdef uint8_t* seen
+    if not (0 <= r.num_batches <= r.size and 0 <= r.num_fenced and 0 <= r.num_retry
+            and r.num_fenced + r.num_retry <= r.size and 0 <= r.head < r.size and 0 <= r.batch_head < r.size):
+        snprintf(msg, cap, "pending ring: %d batches, %d fenced ids, %d retries, heads %d/%d, outside its size %d",
+                 r.num_batches, r.num_fenced, r.num_retry, r.head, r.batch_head, r.size)
+        return -1
+    for i in range(r.num_batches):
+        n = r.count[(r.batch_head + i) % r.size]
+        if n <= 0:
+            snprintf(msg, cap, "pending ring: batch %d holds %d ids", i, n)
+            return -1
+        total += n
+    if total != r.num_fenced:
+        snprintf(msg, cap, "pending ring: batches hold %lld ids, num_fenced says %d", <long long>total, r.num_fenced)
+        return -1
+    ids = <int32_t*>malloc(r.size * sizeof(int32_t))
+    seen = <uint8_t*>calloc(r.size, 1)
+    if ids == NULL or seen == NULL:
+        free(ids)
+        free(seen)
+        snprintf(msg, cap, "pending ring: no memory for the check")
+        return -1
+    n = pending_copy(r, ids)
+    for i in range(n):
+        p = ids[i]
+        if not 0 <= p < r.size or seen[p]:
+            snprintf(msg, cap, "pending ring: page id %d (pending #%d) is out of range or repeated", p, i)
+            free(ids)
+            free(seen)
+            return -1
+        seen[p] = 1
+    free(ids)
+    free(seen)
+    return 0
+
+
+# -- test hooks: one operation on a set held in plain numpy arrays ------------------------------
+# Each set's fields live in a dict of numpy arrays and ints, made by its new_* function; a step
+# builds the C struct over them, runs `op`, and writes the ints back. Corrupt a field of the dict
+# and "check" must raise. Nothing in the allocator calls them.
+
+cdef int _raise_unless_ok(int rc, const char* msg) except -1:
+    if rc != 0:
+        raise AssertionError((<bytes>msg).decode())
+    return 0
+
+
+def new_free_set(weight) -> dict:
+    """An empty free set over len(weight) > 0 ids of these weights."""
+    import numpy as np
+    size = len(weight)
+    return {"count": np.zeros(size + 1, np.int32), "weight_sum": np.zeros(size + 1, np.int64),
+            "weight": np.array(weight, np.int32), "size": size, "top": 1 << (size.bit_length() - 1), "num": 0}
+
+
+def free_set_step(dict f, str op, int64_t arg=0):
+    """op: "add" / "remove" id, "pop_lowest", "count_for_weight" need, "weight_of_lowest" k,
+    "members" (a uint8 array), "check" (raises AssertionError)."""
+    import numpy as np
+    cdef int32_t[::1] count = f["count"], weight = f["weight"]
+    cdef int64_t[::1] weight_sum = f["weight_sum"]
+    cdef uint8_t[::1] members
+    cdef FreeSet s
+    cdef char msg[256]
+    s.count, s.weight_sum, s.weight = &count[0], &weight_sum[0], &weight[0]
+    s.size, s.top, s.num = f["size"], f["top"], f["num"]
+    out = None
+    if op == "add" or op == "remove":
+        freeset_update(&s, <int32_t>arg, 1 if op == "add" else -1)
+    elif op == "pop_lowest":
+        out = freeset_pop_lowest(&s)
+    elif op == "count_for_weight":
+        out = freeset_count_for_weight(&s, arg)
+    elif op == "weight_of_lowest":
+        out = freeset_weight_of_lowest(&s, <int>arg)
+    elif op == "members":
+        out = np.zeros(s.size, np.uint8)
+        members = out
+        freeset_members(&s, &members[0])
+    elif op == "check":
+        _raise_unless_ok(freeset_check(&s, msg, sizeof(msg)), msg)
+    else:
+        raise ValueError(f"unknown free set op {op!r}; use add, remove, pop_lowest, count_for_weight, "
+                         f"weight_of_lowest, members or check")
+    f["num"] = s.num
+    return out
+
+
+def new_pool(weight) -> dict:
+    """An empty pool over len(weight) > 0 ids of these weights."""
+    import numpy as np
+    return {"ids": np.zeros(len(weight), np.int32), "weight": np.array(weight, np.int32), "num": 0, "weight_sum": 0}
+
+
+def pool_step(dict f, str op, int64_t arg=0, int64_t keep=0):
+    """op: "push" id, "pop" (the id), "drop" below keep (the ids dropped), "check" (raises
+    AssertionError)."""
+    cdef int32_t[::1] ids = f["ids"], weight = f["weight"]
+    cdef int32_t[::1] dropped
+    cdef PoolStack s
+    cdef char msg[256]
+    cdef int n
+    s.ids, s.weight, s.num, s.weight_sum = &ids[0], &weight[0], f["num"], f["weight_sum"]
+    out = None
+    if op == "push":
+        pool_push(&s, <int32_t>arg)
+    elif op == "pop":
+        out = pool_pop(&s)
+    elif op == "drop":
+        import numpy as np
+        buf = np.zeros(ids.shape[0], np.int32)
+        dropped = buf
+        n = pool_drop(&s, <int>arg, <int>keep, &dropped[0])
+        out = buf[:n].tolist()
+    elif op == "check":
+        _raise_unless_ok(pool_check(&s, <int>ids.shape[0], msg, sizeof(msg)), msg)
+    else:
+        raise ValueError(f"unknown pool op {op!r}; use push, pop, drop or check")
+    f["num"], f["weight_sum"] = s.num, s.weight_sum
+    return out
+
+
+def new_pending_ring(int size) -> dict:
+    """An empty pending ring for ids [0, size), size > 0."""
+    import numpy as np
+    return {"ids": np.zeros(size, np.int32), "fence": np.zeros(size, np.uint64), "count": np.zeros(size, np.int32),
+            "retry": np.zeros(size, np.int32), "size": size,
+            "head": 0, "num_fenced": 0, "batch_head": 0, "num_batches": 0, "num_retry": 0}
+
+
+_RING_INTS = ("head", "num_fenced", "batch_head", "num_batches", "num_retry")
+
+
+def pending_step(dict f, str op, ids=(), uint64_t fence=0):
+    """op: "push" ids behind fence, "pop" (the oldest batch: fence, ids), "retry" ids,
+    "take_retries" (the ids), "copy" (every pending id), "check" (raises AssertionError)."""
+    import numpy as np
+    cdef int32_t[::1] ring_ids = f["ids"], count = f["count"], retry = f["retry"]
+    cdef uint64_t[::1] fences = f["fence"]
+    cdef int32_t[::1] buf = np.array(list(ids) + [0] * f["size"], np.int32)
+    cdef PendingRing r
+    cdef char msg[256]
+    cdef int i, n
+    r.ids, r.count, r.retry, r.fence = &ring_ids[0], &count[0], &retry[0], <uintptr_t*>&fences[0]
+    r.size = f["size"]
+    r.head, r.num_fenced, r.batch_head, r.num_batches, r.num_retry = (f[k] for k in _RING_INTS)
+    out = None
+    if op == "push":
+        pending_push(&r, len(ids), &buf[0], fence)
+    elif op == "pop":
+        out = pending_oldest_fence(&r)
+        n = pending_pop(&r, &buf[0])
+        out = (out, [buf[i] for i in range(n)])
+    elif op == "retry":
+        for i in range(len(ids)):
+            pending_retry(&r, buf[i])
+    elif op == "take_retries" or op == "copy":
+        n = pending_take_retries(&r, &buf[0]) if op == "take_retries" else pending_copy(&r, &buf[0])
+        out = [buf[i] for i in range(n)]
+    elif op == "check":
+        _raise_unless_ok(pending_check(&r, msg, sizeof(msg)), msg)
+    else:
+        raise ValueError(f"unknown pending ring op {op!r}; use push, pop, retry, take_retries, copy or check")
+    for k, v in zip(_RING_INTS, (r.head, r.num_fenced, r.batch_head, r.num_batches, r.num_retry)):
+        f[k] = v
+    return out
