@@ -10,17 +10,26 @@ import pytest
 from kvcached.core import pagesets
 
 
+def random_set(rng: random.Random, sizes: list[int], lowest_weight: int) -> tuple[int, list[int]]:
+    """A size drawn from `sizes` and a random weight per id."""
+    size = rng.choice(sizes)
+    return size, [rng.randint(lowest_weight, 9) for _ in range(size)]
+
+
+def spare_id(rng: random.Random, size: int, taken) -> int:
+    return rng.choice([q for q in range(size) if q not in taken])
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_free_set_random_against_a_model(seed):
     rng = random.Random(seed)
-    size = rng.choice([1, 7, 64, 100])
-    weight = [rng.randint(1, 9) for _ in range(size)]
+    size, weight = random_set(rng, [1, 7, 64, 100], lowest_weight=1)
     fs = pagesets.new_free_set(weight)
     model: set[int] = set()
     for _ in range(400):
         op = rng.choice(["add", "remove", "pop_lowest", "query"])
         if op == "add" and len(model) < size:
-            p = rng.choice([q for q in range(size) if q not in model])
+            p = spare_id(rng, size, model)
             pagesets.free_set_step(fs, "add", p)
             model.add(p)
         elif op == "remove" and model:
@@ -46,14 +55,13 @@ def test_free_set_random_against_a_model(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_pool_random_against_a_model(seed):
     rng = random.Random(seed)
-    size = rng.choice([1, 10, 50])
-    weight = [rng.randint(0, 5) for _ in range(size)]
+    size, weight = random_set(rng, [1, 10, 50], lowest_weight=0)
     pool = pagesets.new_pool(weight)
     model: list[int] = []
     for _ in range(300):
         op = rng.choice(["push", "push", "pop", "drop"])
         if op == "push" and len(model) < size:
-            p = rng.choice([q for q in range(size) if q not in model])
+            p = spare_id(rng, size, model)
             pagesets.pool_step(pool, "push", p)
             model.append(p)
         elif op == "pop" and model:

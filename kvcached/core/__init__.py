@@ -4,7 +4,9 @@
                 cache; the process lifecycle (fork and close)
     pagetable   VirtualRange (a reservation, exported to torch through DLPack); PageTable (what
                 one page id maps, all or nothing, with rollback)
-    pagealloc   PageAllocator (free set, reserved pool, pending ring of fences, limits) and its
+    pagesets    the page allocator's sets of page ids, each with its own check: FreeSet (a Fenwick
+                tree), PoolStack (the reserved pool), PendingRing (fenced ids, unmap retries)
+    pagealloc   PageAllocator (the states of page ids across those sets, mapping, limits) and its
                 RefillPolicy (background refill, idle trim, budget gate)
     blockalloc  BlockAllocator (block ids over whole pages: best fit, per-block state)
 

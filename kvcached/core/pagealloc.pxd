@@ -1,5 +1,5 @@
-# The C-level contract of kvcached.core.pagealloc: PageAllocator (free set, reserved pool, deferred
-# unmap, limits) and RefillPolicy (its background thread, refill target, idle trim, budget gate).
+# The C-level contract of kvcached.core.pagealloc: PageAllocator (the state of each page id across
+# its sets — free set, reserved pool, pending ring: pagesets.pxd — mapping, limits) and RefillPolicy (its background thread, refill target, idle trim, budget gate).
 # Every field commented, every cdef's failure mode stated: `except -1` raises; out of memory is
 # the value _OOM (1, from vmm), never an exception; `noexcept` is bookkeeping only (never a
 # driver call). It cimports pagesets (the free set, the pool, the pending ring), pagetable and

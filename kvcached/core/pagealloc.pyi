@@ -142,7 +142,7 @@ class PageAllocator:
     def page_states(self) -> NDArray[np.uint8]:
         """Copy of every page id's state: 0 outside, 1 free, 2 pool, 3 used, 4 pending, 5 transit."""
     def check_invariants(self) -> Literal[True]:
-        """O(pages) consistency check; raises AssertionError naming the first broken invariant."""
+        """O(pages log pages): each page set's own check, then the states across them; raises AssertionError naming the first broken invariant."""
 
 # -- refill policy -------------------------------------------------------------------------------
 

@@ -2,10 +2,13 @@
 """kvcached.core.pagealloc: whole pages for the block allocator above it.
 
 PageAllocator hands out free page ids, keeps the reserved pool, defers unmaps behind fences and
-applies limits; RefillPolicy decides when the pool is refilled or trimmed (its background thread,
+applies limits. Its three sets of page ids — the free set, the pool, the pending ring with the
+unmap retries — are kvcached.core.pagesets' structs, each with its own check; the allocator keeps
+each id's state across them, the ids in transit, the limits and the locks. RefillPolicy decides when the pool is refilled or trimmed (its background thread,
 the refill target, idle trim and the budget gate: Note [Refill policy]).
 
-It stands on kvcached.core.pagetable (PageTable: what one page id maps, all-or-nothing) over
+It stands on kvcached.core.pagesets (inline struct operations, compiled in here) and
+kvcached.core.pagetable (PageTable: what one page id maps, all-or-nothing) over
 kvcached.core.vmm (checked driver calls, the backends and their handle cache). Calls into them are
 vtable calls through their .pxd contracts; nothing here touches their locks or the handle cache.
 kvcached.core.blockalloc (BlockAllocator) is the only module above it.
@@ -42,8 +45,8 @@ from kvcached.errors import KVCachedConfigError, MappingError
 
 
 # PageAllocator: free page ids, the reserved pool, deferred unmap, resize, limits; the mechanisms
-# its RefillPolicy (below) drives. See Note [Page allocator states], Note [Deferred unmap],
-# Note [Failed unmap], Note [Refill policy].
+# its RefillPolicy (below) drives. See Note [Page allocator states], Note [Mapping in transit],
+# Note [Deferred unmap], Note [Failed unmap], Note [Refill policy].
 
 cdef int64_t _MAX_NEW_PAGES = (<int64_t>1) << 62
 

@@ -37,19 +37,13 @@ cdef void freeset_release(FreeSet* s) noexcept nogil:
     s.weight_sum = NULL
 
 
-cdef inline int64_t _prefix_count(const FreeSet* s, int i) noexcept nogil:
-    # ids in [0, i) by the tree
+cdef inline int64_t _prefix(const FreeSet* s, int i, int64_t* weight) noexcept nogil:
+    # ids in [0, i) by the tree; their weight into weight[0]
     cdef int64_t total = 0
+    weight[0] = 0
     while i > 0:
         total += s.count[i]
-        i -= i & (-i)
-    return total
-
-
-cdef inline int64_t _prefix_weight(const FreeSet* s, int i) noexcept nogil:
-    cdef int64_t total = 0
-    while i > 0:
-        total += s.weight_sum[i]
+        weight[0] += s.weight_sum[i]
         i -= i & (-i)
     return total
 
@@ -58,10 +52,10 @@ cdef int freeset_check(const FreeSet* s, char* msg, size_t cap) noexcept nogil:
     """Recount: each id in the set once or not at all, with its own weight, and num ids in all
     (O(size log size))."""
     cdef int p
-    cdef int64_t c, w, total = 0
+    cdef int64_t c, w, below_w, total = 0
     for p in range(s.size):
-        c = _prefix_count(s, p + 1) - _prefix_count(s, p)
-        w = _prefix_weight(s, p + 1) - _prefix_weight(s, p)
+        c = _prefix(s, p + 1, &w) - _prefix(s, p, &below_w)
+        w -= below_w
         if c != 0 and c != 1:
             snprintf(msg, cap, "free set: page id %d is in it %lld times", p, <long long>c)
             return -1
@@ -78,8 +72,9 @@ cdef int freeset_check(const FreeSet* s, char* msg, size_t cap) noexcept nogil:
 
 cdef void freeset_members(const FreeSet* s, uint8_t* out) noexcept nogil:
     cdef int p
+    cdef int64_t w
     for p in range(s.size):
-        out[p] = 1 if _prefix_count(s, p + 1) != _prefix_count(s, p) else 0
+        out[p] = 1 if _prefix(s, p + 1, &w) != _prefix(s, p, &w) else 0
 
 
 # -- the pool ------------------------------------------------------------------------------------
