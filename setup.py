@@ -1,4 +1,4 @@
-"""Build kvcached's compiled core (kvcached/core: vmm, pagetable, pagesets, pagealloc, blockalloc) against cuda-bindings' cydriver.
+"""Build kvcached's compiled core (kvcached/core: vmm, pagetable, pagesets, refill, pagealloc, blockalloc) against cuda-bindings' cydriver.
 
 See Note [Which cuda.h] for how the header is chosen and why the pairing is checked here
 instead of failing deep inside the C++ compiler.
@@ -77,7 +77,7 @@ def find_cuda_include() -> str:
 
 # The compiled core: one extension module per layer, each cimporting only the ones before it, each
 # with a .pxd contract and a .pyi stub (shipped as package data). The generated C++ goes to build/.
-CORE_MODULES = ("vmm", "pagetable", "pagesets", "pagealloc", "blockalloc")
+CORE_MODULES = ("vmm", "pagetable", "pagesets", "refill", "pagealloc", "blockalloc")
 
 
 def extensions():

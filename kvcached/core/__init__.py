@@ -16,8 +16,9 @@ above the core writes ``from kvcached.core import BlockAllocator``.
 """
 
 from kvcached.core.blockalloc import BlockAllocator
-from kvcached.core.pagealloc import PageAllocator, RefillPolicy
+from kvcached.core.pagealloc import PageAllocator
 from kvcached.core.pagetable import PageTable
+from kvcached.core.refill import RefillPolicy
 from kvcached.core.vmm import (
     DEFAULT_HANDLE_CACHE_SIZE,
     Backend,

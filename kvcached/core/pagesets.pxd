@@ -1,13 +1,29 @@
-# The C-level contract of kvcached.core.pagesets: the three sets of page ids a PageAllocator
-# keeps — FreeSet (unmapped ids, lowest first), PoolStack (mapped, unused ids) and PendingRing
-# (mapped ids waiting for their fence, and the ids whose unmap failed). Each is a C struct whose
-# operations are `cdef inline` here, compiled into the caller, so the pool fast path pays no
-# call; each has its own invariant check (in pagesets.pyx). A set holds ids only: the state of
-# each id and the counts across the sets are the allocator's (Note [Page allocator states] in
-# pagealloc.pyx). Every function is `noexcept` bookkeeping under the owner's lock; the caller
-# checks the preconditions each states. It cimports nothing of kvcached; pagealloc cimports it.
+# The C-level contract of kvcached.core.pagesets: where each page id of a PageAllocator is. The
+# three sets of ids — FreeSet (unmapped ids, lowest first), PoolStack (mapped, unused ids) and
+# PendingRing (mapped ids waiting for their fence, and the ids whose unmap failed) — and
+# PageLedger, which holds them with each id's state and the counts across them (Note [Page
+# allocator states] in pagealloc.pyx). Each is a C struct whose operations are `cdef inline`
+# here, compiled into the caller, so the pool fast path pays no call; each set has its own
+# invariant check (in pagesets.pyx). Every function is `noexcept` bookkeeping under the owner's
+# lock; the caller checks the preconditions each states. It cimports nothing of kvcached;
+# refill and pagealloc cimport it.
 
 from libc.stdint cimport int32_t, int64_t, uint8_t, uintptr_t
+
+cdef enum:
+    _NEED_SLOW = 2      # a fast (GIL-held, driver-free) worker could not serve: retry the slow way
+
+cdef enum:
+    # PageLedger.state[page_id]; every page id of the table is in exactly one state
+    _PS_OUTSIDE = 0     # not handed out: at or above capacity, or holds no block (weight 0)
+    _PS_FREE = 1        # below capacity, unmapped, in the free set
+    _PS_POOL = 2        # mapped, unused: the reserved pool
+    _PS_USED = 3        # mapped, handed out by take_pages / take_blocks
+    _PS_PENDING = 4     # returned, still mapped until its fence is done (then unmapped)
+    _PS_TRANSIT = 5     # being mapped or unmapped by the holder of the allocator's map_lock
+
+cdef enum:
+    _NO_LIMIT = 1 << 30     # ledger_headroom without a limit: more than any table's page ids
 
 
 cdef struct FreeSet:
@@ -43,6 +59,24 @@ cdef struct PendingRing:
     int size                    # capacity of each ring and of the retry list: ids are [0, size)
 
 
+cdef struct PageLedger:
+    # every page id's state, the three sets holding them and the counts across them (the owner's
+    # `lock` guards it all); ids in transit are in no set, counted in num_transit
+    uint8_t* state              # [id] one of _PS_*
+    int32_t* weight             # [id] blocks the id holds (1 until a BlockAllocator binds them)
+    FreeSet free_set            # the _PS_FREE ids
+    PoolStack pool              # the _PS_POOL ids
+    PendingRing pending         # the _PS_PENDING ids
+    int size                    # ids are [0, size): the page table's num_pages
+    int capacity                # ids [0, capacity) may be handed out
+    int max_reserved            # returned ids beyond this many pooled ones are unmapped
+    int limit                   # used + pool + transit never exceed it; -1 no limit
+    int num_used                # _PS_USED ids
+    int num_transit             # _PS_TRANSIT ids
+    int refill_transit          # of those, ids a refill is mapping for the pool
+    int64_t refill_transit_weight   # their weights (available_weight counts them as pool)
+
+
 # -- allocation and the checks (pagesets.pyx): each check is O(size), returns 0, or -1 with the
 # first broken invariant written to msg (cap bytes); none takes a lock ---------------------------
 cdef int freeset_init(FreeSet* s, int size, const int32_t* weight) noexcept nogil     # 0, or -1 out of memory; empty
@@ -57,6 +91,12 @@ cdef int pending_init(PendingRing* r, int size) noexcept nogil                  
 cdef void pending_release(PendingRing* r) noexcept nogil                             # frees the arrays, not the fences
 cdef int pending_check(const PendingRing* r, char* msg, size_t cap) noexcept nogil    # batch counts sum to the ids, no duplicate
 cdef int pending_copy(const PendingRing* r, int32_t* out) noexcept nogil             # every pending id (ring, then retries); how many
+cdef int ledger_init(PageLedger* L, int size, int capacity, int max_reserved) noexcept nogil   # 0, or -1 out of memory; weights 1, ids below capacity free
+cdef void ledger_release(PageLedger* L) noexcept nogil                              # frees the arrays and the sets, not the pending fences
+cdef int ledger_check(const PageLedger* L, const uint8_t* mapped, int num_mapped, char* msg, size_t cap) noexcept nogil  # each set's check, then across them and the table's mapped bits
+cdef int ledger_settle_unmapped(PageLedger* L, int n, const int32_t* ids, const uint8_t* mapped) noexcept nogil  # transit ids -> free / retry; how many unmapped
+cdef bint ledger_resize(PageLedger* L, int capacity) noexcept nogil                 # False (nothing changed) if an id at or above it is used
+cdef bint ledger_bind_weights(PageLedger* L, const int32_t* weights) noexcept nogil # False (nothing changed) unless every id is free or outside
 
 
 # -- the free set --------------------------------------------------------------------------------
@@ -178,3 +218,79 @@ cdef inline int pending_take_retries(PendingRing* r, int32_t* out) noexcept nogi
         out[i] = r.retry[i]
     r.num_retry = 0
     return c
+
+
+# -- the ledger: moving ids between the states ----------------------------------------------------
+cdef inline int64_t ledger_headroom(const PageLedger* L) noexcept nogil:
+    # ids that may still become mapped under the limit (negative after a lower limit; _NO_LIMIT
+    # when there is none): the one limit rule of every take, return, refill and trim
+    if L.limit < 0:
+        return _NO_LIMIT
+    return <int64_t>L.limit - L.num_used - L.pool.num - L.num_transit
+
+
+cdef inline void ledger_free_or_outside(PageLedger* L, int32_t page_id) noexcept nogil:
+    # an unmapped id (in no set) back to the free set, or outside when above capacity or weight 0
+    if page_id < L.capacity and L.weight[page_id] > 0:
+        L.state[page_id] = _PS_FREE
+        freeset_update(&L.free_set, page_id, 1)
+    else:
+        L.state[page_id] = _PS_OUTSIDE
+
+
+cdef inline void ledger_push_pool(PageLedger* L, int n, const int32_t* ids) noexcept nogil:
+    # ids[0..n) onto the pool's top, in that order (the caller moves the count of the state they leave)
+    cdef int i
+    for i in range(n):
+        L.state[ids[i]] = _PS_POOL
+        pool_push(&L.pool, ids[i])
+
+
+cdef inline void ledger_unpop_pool(PageLedger* L, int n, const int32_t* ids) noexcept nogil:
+    # undo taking ids[0..n) off the pool's top, in that order
+    cdef int i
+    for i in range(n - 1, -1, -1):
+        ledger_push_pool(L, 1, ids + i)
+
+
+cdef inline int ledger_pop_pool(PageLedger* L, int64_t need, bint by_weight, int32_t* out) noexcept nogil:
+    # pool ids from the top holding `need` (> 0) weight (blocks when by_weight, else ids) become
+    # used, into out; returns how many, or 0 (nothing taken) if the pool holds less
+    cdef int k = 0
+    cdef int64_t got = 0
+    cdef int32_t p
+    if (L.pool.weight_sum if by_weight else L.pool.num) < need:
+        return 0
+    while got < need:
+        p = pool_pop(&L.pool)
+        L.state[p] = _PS_USED
+        out[k] = p
+        k += 1
+        got += L.weight[p] if by_weight else 1
+    L.num_used += k
+    return k
+
+
+cdef inline void ledger_to_transit(PageLedger* L, int n, const int32_t* ids) noexcept nogil:
+    # ids the caller took out of their set go into transit
+    cdef int i
+    for i in range(n):
+        L.state[ids[i]] = _PS_TRANSIT
+    L.num_transit += n
+
+
+cdef inline void ledger_transit_to_used(PageLedger* L, int n, const int32_t* ids) noexcept nogil:
+    # ids in transit, now mapped, handed out
+    cdef int i
+    for i in range(n):
+        L.state[ids[i]] = _PS_USED
+    L.num_used += n
+    L.num_transit -= n
+
+
+cdef inline void ledger_queue_pending(PageLedger* L, int n, const int32_t* ids, uintptr_t fence) noexcept nogil:
+    # n > 0 mapped ids (in no set) wait behind one fence, which the ring now owns
+    cdef int i
+    for i in range(n):
+        L.state[ids[i]] = _PS_PENDING
+    pending_push(&L.pending, n, ids, fence)

@@ -215,6 +215,161 @@ cdef int pending_check(const PendingRing* r, char* msg, size_t cap) noexcept nog
     return 0
 
 
+# -- the ledger ----------------------------------------------------------------------------------
+cdef int ledger_init(PageLedger* L, int size, int capacity, int max_reserved) noexcept nogil:
+    cdef int p
+    L.state = <uint8_t*>calloc(max(1, size), sizeof(uint8_t))
+    L.weight = <int32_t*>malloc(max(1, size) * sizeof(int32_t))
+    L.size = size
+    L.capacity = capacity
+    L.max_reserved = max_reserved
+    L.limit = -1
+    L.num_used = L.num_transit = L.refill_transit = 0
+    L.refill_transit_weight = 0
+    if (L.state == NULL or L.weight == NULL or freeset_init(&L.free_set, size, L.weight) != 0
+            or pool_init(&L.pool, size, L.weight) != 0 or pending_init(&L.pending, size) != 0):
+        return -1
+    for p in range(size):
+        L.weight[p] = 1
+        ledger_free_or_outside(L, p)
+    return 0
+
+
+cdef void ledger_release(PageLedger* L) noexcept nogil:
+    freeset_release(&L.free_set)
+    pool_release(&L.pool)
+    pending_release(&L.pending)
+    free(L.state)
+    free(L.weight)
+    L.state = NULL
+    L.weight = NULL
+
+
+cdef int ledger_settle_unmapped(PageLedger* L, int n, const int32_t* ids, const uint8_t* mapped) noexcept nogil:
+    """Ids in transit after an unmap or a failed map: each goes back to the free set, or — when
+    the driver left any of it mapped (mapped[id], the table's bits) — pending, on the unmap
+    retries, still counted. Returns how many went back unmapped; the caller takes all n off
+    num_transit. See Note [Failed unmap] in pagealloc.pyx."""
+    cdef int i, unmapped = 0
+    for i in range(n):
+        if mapped[ids[i]]:
+            L.state[ids[i]] = _PS_PENDING
+            pending_retry(&L.pending, ids[i])
+        else:
+            ledger_free_or_outside(L, ids[i])
+            unmapped += 1
+    return unmapped
+
+
+cdef bint ledger_resize(PageLedger* L, int capacity) noexcept nogil:
+    """Ids [0, capacity) may be handed out from now: free ids at or above it go outside, outside
+    ids below it holding blocks become free. False, changing nothing, if an id at or above it is
+    used; pool and pending ids above it are the caller's to unmap."""
+    cdef int p, old = L.capacity
+    for p in range(capacity, old):
+        if L.state[p] == _PS_USED:
+            return False
+    for p in range(capacity, old):
+        if L.state[p] == _PS_FREE:
+            freeset_update(&L.free_set, p, -1)
+            L.state[p] = _PS_OUTSIDE
+    L.capacity = capacity
+    for p in range(old, capacity):
+        if L.state[p] == _PS_OUTSIDE:
+            ledger_free_or_outside(L, p)
+    return True
+
+
+cdef bint ledger_bind_weights(PageLedger* L, const int32_t* weights) noexcept nogil:
+    """Each id's weight from weights[0..size); ids of weight 0 go outside. False, changing
+    nothing, unless every id is free or outside (none used, pooled, pending or in transit)."""
+    cdef int p
+    if L.num_used or L.pool.num or pending_num(&L.pending) or L.num_transit:
+        return False
+    for p in range(L.size):
+        if L.state[p] == _PS_FREE:
+            freeset_update(&L.free_set, p, -1)
+        L.weight[p] = weights[p]
+        L.state[p] = _PS_OUTSIDE
+        if p < L.capacity:
+            ledger_free_or_outside(L, p)
+    return True
+
+
+cdef int _check_states(const PageLedger* L, uint8_t* held, const uint8_t* mapped, int num_mapped,
+                       char* msg, size_t cap) noexcept nogil:
+    # held[id]: the state of the set holding the id (0 none); every id against its state
+    cdef int p, i, n, s
+    cdef int c[6]
+    cdef int32_t* ids = <int32_t*>malloc(max(1, L.size) * sizeof(int32_t))
+    if ids == NULL:
+        snprintf(msg, cap, "ledger: no memory for the check")
+        return -1
+    freeset_members(&L.free_set, held)                      # 1 == _PS_FREE
+    for i in range(L.pool.num):
+        held[L.pool.ids[i]] = _PS_POOL if held[L.pool.ids[i]] == 0 else 255
+    n = pending_copy(&L.pending, ids)
+    for i in range(n):
+        held[ids[i]] = _PS_PENDING if held[ids[i]] == 0 else 255
+    free(ids)
+    for i in range(6):
+        c[i] = 0
+    for p in range(L.size):
+        s = L.state[p]
+        if s > _PS_TRANSIT:
+            snprintf(msg, cap, "ledger: page id %d has no state (%d)", p, s)
+            return -1
+        c[s] += 1
+        if held[p] != (s if s == _PS_FREE or s == _PS_POOL or s == _PS_PENDING else 0):
+            snprintf(msg, cap, "ledger: page id %d is in state %d but held by the set of state %d (255: two sets)",
+                     p, s, held[p])
+            return -1
+        if (s == _PS_FREE or s == _PS_USED) and p >= L.capacity:
+            snprintf(msg, cap, "ledger: page id %d is %s at or above capacity %d",
+                     p, b"free" if s == _PS_FREE else b"in use", L.capacity)
+            return -1
+        if s == _PS_FREE and L.weight[p] <= 0:
+            snprintf(msg, cap, "ledger: free page id %d holds no block", p)
+            return -1
+        if s == _PS_OUTSIDE and p < L.capacity and L.weight[p] != 0:
+            snprintf(msg, cap, "ledger: page id %d below capacity is lost (outside, weight %d)", p, L.weight[p])
+            return -1
+        if (s == _PS_POOL or s == _PS_USED or s == _PS_PENDING) != (mapped[p] != 0) or (mapped[p] == 2 and s != _PS_PENDING):
+            snprintf(msg, cap, "ledger: page id %d in state %d is %s in the table", p, s,
+                     b"unmapped" if mapped[p] == 0 else (b"mapped" if mapped[p] == 1 else b"partly unmapped"))
+            return -1
+    if (c[_PS_FREE] != L.free_set.num or c[_PS_POOL] != L.pool.num or c[_PS_USED] != L.num_used
+            or c[_PS_PENDING] != pending_num(&L.pending) or c[_PS_TRANSIT] != L.num_transit):
+        snprintf(msg, cap, "ledger: states count free/pool/used/pending/transit %d/%d/%d/%d/%d, the counts say %d/%d/%d/%d/%d",
+                 c[_PS_FREE], c[_PS_POOL], c[_PS_USED], c[_PS_PENDING], c[_PS_TRANSIT],
+                 L.free_set.num, L.pool.num, L.num_used, pending_num(&L.pending), L.num_transit)
+        return -1
+    if c[_PS_POOL] + c[_PS_USED] + c[_PS_PENDING] != num_mapped:
+        snprintf(msg, cap, "ledger: %d ids are pool, used or pending, the table maps %d",
+                 c[_PS_POOL] + c[_PS_USED] + c[_PS_PENDING], num_mapped)
+        return -1
+    return 0
+
+
+cdef int ledger_check(const PageLedger* L, const uint8_t* mapped, int num_mapped, char* msg, size_t cap) noexcept nogil:
+    """Each set's own check, then across them (O(size log size)): every id in one state, each
+    set holding exactly the ids of its state, the counts agreeing, free ids below capacity and
+    holding blocks, no id below capacity lost, nothing free or used above it, and the mapped
+    ids (the table's bits, its num_mapped) exactly pool + used + pending."""
+    cdef int rc
+    cdef uint8_t* held
+    if (freeset_check(&L.free_set, msg, cap) != 0 or pool_check(&L.pool, L.size, msg, cap) != 0
+            or pending_check(&L.pending, msg, cap) != 0):
+        return -1
+    held = <uint8_t*>calloc(max(1, L.size), 1)
+    if held == NULL:
+        snprintf(msg, cap, "ledger: no memory for the check")
+        return -1
+    rc = _check_states(L, held, mapped, num_mapped, msg, cap)
+    free(held)
+    return rc
+
+
 # -- test hooks: one operation on a set held in plain numpy arrays ------------------------------
 # Each set's fields live in a dict of numpy arrays and ints, made by its new_* function; a step
 # builds the C struct over them, runs `op`, and writes the ints back. Corrupt a field of the dict
