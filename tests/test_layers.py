@@ -24,7 +24,8 @@ LAYERS = (
     {"errors", "sizes", "checks", "config", "_shm", "_steps", "core._posix"},
     {"core.vmm"},
     {"core.pagetable"},
-    {"core.pagesets"},                              # the free set, the pool, the pending ring
+    {"core.pagesets"},                              # the page ledger: the free set, the pool, the pending ring
+    {"core.refill"},                                # the pool's refill policy, below the allocator it drives
     {"core.pagealloc"},
     {"core.blockalloc"},
     {"core", "mem_info_tracker", "budget"},         # core: the compiled core's facade

@@ -4,10 +4,13 @@
                 cache; the process lifecycle (fork and close)
     pagetable   VirtualRange (a reservation, exported to torch through DLPack); PageTable (what
                 one page id maps, all or nothing, with rollback)
-    pagesets    the page allocator's sets of page ids, each with its own check: FreeSet (a Fenwick
-                tree), PoolStack (the reserved pool), PendingRing (fenced ids, unmap retries)
-    pagealloc   PageAllocator (the states of page ids across those sets, mapping, limits) and its
-                RefillPolicy (background refill, idle trim, budget gate)
+    pagesets    where each page id is: FreeSet (a Fenwick tree), PoolStack (the reserved pool),
+                PendingRing (fenced ids, unmap retries), each with its own check, and PageLedger
+                (each id's state across them, the counts, the limit rule)
+    refill      RefillPolicy (background refill, idle trim, budget gate) and Refillable, what it
+                drives of the allocator above
+    pagealloc   PageAllocator (take and return, the pool fast path, limits, resize) over
+                PageMapper (mapping and unmapping through transit, fences)
     blockalloc  BlockAllocator (block ids over whole pages: best fit, per-block state)
 
 Each module's ``.pxd`` is its C contract and cimports only the modules above it in this list;

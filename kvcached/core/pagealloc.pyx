@@ -4,10 +4,12 @@
 PageAllocator hands out free page ids, keeps the reserved pool, defers unmaps behind fences and
 applies limits. Where each page id is — its state, the free set, the pool, the pending ring with
 the unmap retries, the counts across them and the limit rule — is its page ledger
-(kvcached.core.pagesets: C structs with inline operations and their own checks); this class holds
-the locks and the driver work that moves ids through transit (map, unmap, fences), and its Python
-surface. When the pool is refilled or trimmed is its RefillPolicy's decision
-(kvcached.core.refill: Note [Refill policy]); PageAllocator is the Refillable that policy drives.
+(kvcached.core.pagesets: C structs with inline operations and their own checks). The class is cut
+in two along the driver call: PageMapper holds the driver work that moves ids through transit
+(map, unmap, fences, failed unmaps) and PageAllocator, its one subclass, the data path (take and
+return, the pool fast path) and the Python surface; neither alone would stay a class one can read
+whole (each under 600 lines). When the pool is refilled or trimmed is its RefillPolicy's decision
+(kvcached.core.refill: Note [Refill policy]); PageMapper is the Refillable that policy drives.
 
 It stands on kvcached.core.refill, kvcached.core.pagesets (inline struct operations, compiled in
 here) and kvcached.core.pagetable (PageTable: what one page id maps, all-or-nothing) over
@@ -58,7 +60,229 @@ cdef int64_t _max_new_pages(object value) except -2:
                   hint="pass the pages that may still be mapped (e.g. budget free bytes // page bytes), or -1 for no cap")
 
 
-cdef class PageAllocator(Refillable):
+cdef class PageMapper(Refillable):
+    """Moves page ids through transit: maps free ids for a take or into the pool, unmaps ids
+    behind their fence, retries failed unmaps, and keeps the free-physical-memory figure — the
+    driver work of a PageAllocator (its one subclass, which makes it and holds the data path).
+
+    Every method here calls the page table, so each holds map_lock (they say which locks they
+    take); the page ledger changes only under ``lock``, taken around the driver call, never
+    across it (Note [Mapping in transit], Note [Deferred unmap], Note [Failed unmap]). The
+    mechanisms its RefillPolicy drives (Refillable's) are defined here.
+    """
+
+    # -- mapping (the holder of map_lock) ------------------------------------------------------
+    cdef int _map_free_ids(self, int32_t* out, int np, int k, bint into_pool, int* pooled) except -1 nogil:
+        """Map the k lowest free ids into out[np..np + k): the one protocol of a slow take and
+        of a refill chunk (Note [Mapping in transit]). Hold map_lock and lock; returns with lock
+        released. A take (into_pool False) passes the np pool ids it already moved to used in
+        out[0..np): on success all np + k are used; on failure the pool ids go back onto the pool
+        in their old order. A refill (into_pool True, np = 0) pools what still fits the pool and
+        the limit (pooled[0]); the rest stay in transit for the caller to unmap. On failure the
+        free ids go back (Note [Failed unmap]) and the gate gets back what it granted for them.
+        Returns 0 mapped, _OOM (the gate refused, out of memory), or raises (settled as failed)."""
+        cdef int32_t* ids = out + np
+        cdef int i, rc = 0, unmapped = 0, fits = 0
+        cdef bint finished = False, gated = False
+        for i in range(k):
+            ids[i] = freeset_pop_lowest(&self.led.free_set)
+            if into_pool:
+                self.led.refill_transit_weight += self.led.weight[ids[i]]
+        ledger_to_transit(&self.led, k, ids)
+        if into_pool:
+            self.led.refill_transit += k
+        pthread_mutex_unlock(&self.lock)
+        try:
+            if self.policy._gate_acquire(k, self.page_bytes) == 0:
+                rc = _OOM
+            else:
+                gated = True
+                rc = self.table.map_pages(ids, k)
+            finished = True
+        finally:
+            pthread_mutex_lock(&self.lock)
+            if into_pool:
+                self.led.refill_transit -= k
+                for i in range(k):
+                    self.led.refill_transit_weight -= self.led.weight[ids[i]]
+            if finished and rc == 0 and into_pool:
+                # a limit set, or returns that filled the pool, while we mapped win: keep only
+                # what still fits (the pool never exceeds max_reserved)
+                fits = <int>max(0, min(k, self.led.max_reserved - self.led.pool.num, ledger_headroom(&self.led) + k))
+                ledger_push_pool(&self.led, fits, ids)
+                self.led.num_transit -= fits
+                self.num_maps += k
+                self.num_refills += 1
+                pooled[0] = fits
+                if fits:
+                    pthread_cond_broadcast(&self.policy.pool_cv)
+            elif finished and rc == 0:
+                ledger_transit_to_used(&self.led, k, ids)
+                self.num_maps += k
+                self.pages_taken += np + k
+                if self.policy.bg_running and self.led.pool.num < self.policy.refill_target:
+                    pthread_cond_signal(&self.policy.wake)     # the slow path emptied the pool: refill now
+            else:
+                unmapped = ledger_settle_unmapped(&self.led, k, ids, self.table.mapped)
+                self.led.num_transit -= k
+                if into_pool:
+                    self.num_refill_failures += 1
+                else:
+                    self.led.num_used -= np
+                    ledger_unpop_pool(&self.led, np, out)
+                    self.num_oom += 1
+            pthread_mutex_unlock(&self.lock)
+            if gated and unmapped:
+                self.policy._gate_release(unmapped, self.page_bytes)
+        return rc
+
+    # -- unmapping (the holder of map_lock) ---------------------------------------------------
+    cdef int _discard_used(self, int n, int32_t* ids) except -1 nogil:
+        """Unmap pages in use that their taker cannot hand out (its BlockAllocator was closed
+        while it mapped them). Takes map_lock and lock."""
+        if n <= 0:
+            return 0
+        pthread_mutex_lock(&self.map_lock)
+        try:
+            pthread_mutex_lock(&self.lock)
+            ledger_to_transit(&self.led, n, ids)
+            self.led.num_used -= n
+            pthread_mutex_unlock(&self.lock)
+            self._unmap_ids(n, ids)
+        finally:
+            pthread_mutex_unlock(&self.map_lock)
+        return 0
+
+    cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil:
+        """Unmap ids in transit (hold map_lock, not lock) and put them back as free/outside; an id
+        the driver refused to unmap stays mapped and counted, queued for a retry by the next
+        drain, never lost (Note [Failed unmap]). The budget gate gets back exactly the pages
+        unmapped. Raises only for failures past the unmap itself (the ids settled the same way)."""
+        cdef int unmapped = 0
+        if n <= 0:
+            return 0
+        try:
+            self.table.unmap_pages(ids, n)
+        finally:
+            pthread_mutex_lock(&self.lock)
+            unmapped = ledger_settle_unmapped(&self.led, n, ids, self.table.mapped)
+            self.led.num_transit -= n
+            self.num_unmaps += unmapped
+            if unmapped < n:
+                self.num_unmap_failures += n - unmapped
+            pthread_mutex_unlock(&self.lock)
+            self.policy._gate_release(unmapped, self.page_bytes)
+        return 0
+
+    cdef int _drain(self, bint wait_all) except -1 nogil:
+        """Unmap pending batches, oldest first, while their fence is done; with wait_all, wait
+        for every fence (polling, 50 us). Hold map_lock. Stops at the first fence not done:
+        fences of one stream complete in order. Then unmaps again, once, the ids whose unmap
+        failed before (Note [Failed unmap])."""
+        cdef uintptr_t fence
+        cdef int c
+        while True:
+            pthread_mutex_lock(&self.lock)
+            if self.led.pending.num_batches == 0:
+                c = pending_take_retries(&self.led.pending, self.scratch)
+                ledger_to_transit(&self.led, c, self.scratch)
+                pthread_mutex_unlock(&self.lock)
+                return self._unmap_ids(c, self.scratch)
+            fence = pending_oldest_fence(&self.led.pending)
+            pthread_mutex_unlock(&self.lock)
+            if self.backend._fence_done(fence) != 1:
+                if not wait_all:
+                    return 0
+                usleep(50)
+                continue
+            pthread_mutex_lock(&self.lock)
+            c = pending_pop(&self.led.pending, self.scratch)
+            ledger_to_transit(&self.led, c, self.scratch)
+            pthread_mutex_unlock(&self.lock)
+            self.backend._release_fence(fence)
+            self._unmap_ids(c, self.scratch)
+
+    cdef int _pool_out(self, int keep, int below) except -1 nogil:
+        """Take pool ids >= `below`, then pool ids from the top until at most `keep` remain
+        (keep < 0: what the limit allows), and queue them behind one fence recorded now: kernels
+        queued before their blocks were freed may still read them (Note [Deferred unmap]). Then
+        unmaps what is due (on the host: all of it). Hold map_lock. If the fence cannot be
+        recorded the ids go back onto the pool, mapped, and the error is raised."""
+        cdef int n, k = -1
+        cdef uintptr_t fence = 0
+        pthread_mutex_lock(&self.lock)
+        if keep < 0:
+            keep = <int>max(0, min(self.led.pool.num, self.led.pool.num + ledger_headroom(&self.led)))
+        n = pool_drop(&self.led.pool, below, keep, self.scratch)
+        ledger_to_transit(&self.led, n, self.scratch)
+        pthread_mutex_unlock(&self.lock)
+        if n == 0:
+            return 0
+        try:
+            self.backend._record_fence(self.stream, &fence)
+            k = 0
+        finally:
+            pthread_mutex_lock(&self.lock)
+            self.led.num_transit -= n
+            if k == 0:
+                ledger_queue_pending(&self.led, n, self.scratch, fence)
+                self.num_fences += 1
+            else:
+                ledger_push_pool(&self.led, n, self.scratch)     # no fence: nothing may be unmapped
+            pthread_mutex_unlock(&self.lock)
+        return self._drain(False)
+
+    cdef int _unmap_pool(self) except -1 nogil:
+        """The whole pool behind a fence (_pool_out), and the backend's cached handles released
+        (trim and the idle trim). Hold map_lock."""
+        self._pool_out(0, self.num_table_pages)
+        return self.backend.release_cached_above(0)
+
+    # -- filling the pool (driven by the RefillPolicy) ----------------------------------------
+    cdef int _map_into_pool(self, int chunk, bint* failed) except -1 nogil:
+        """Map up to `chunk` free ids into the pool, towards the policy's refill_target (none
+        while it stops or the pool was trimmed), the driver call outside `lock`; returns how
+        many went into the pool (0: nothing to do, or out of memory / the gate refused, which
+        sets failed[0]). Takes map_lock. See Note [Background thread]."""
+        cdef int k, rc = _OOM, fits = 0
+        pthread_mutex_lock(&self.map_lock)
+        try:
+            pthread_mutex_lock(&self.lock)
+            k = 0
+            if not (self.policy.bg_stopping or self.policy.idle_trimmed):
+                k = <int>min(self.policy.refill_target - self.led.pool.num, self.led.free_set.num, chunk,
+                             ledger_headroom(&self.led))
+            if k <= 0:
+                pthread_mutex_unlock(&self.lock)
+                return 0
+            try:
+                rc = self._map_free_ids(self.scratch, 0, k, True, &fits)
+            finally:
+                if rc != 0:
+                    failed[0] = True
+            if rc != 0:
+                self._refresh_physical()
+                return 0
+            elif fits < k:
+                self._unmap_ids(k - fits, self.scratch + fits)
+            return fits
+        finally:
+            pthread_mutex_unlock(&self.map_lock)
+
+    cdef int _refresh_physical(self) except -1 nogil:
+        """Ask the backend for its free physical bytes (a driver call on CUDA). Hold map_lock."""
+        cdef size_t free_bytes = 0, base
+        self.backend._free_physical_bytes(&free_bytes)
+        base = self.backend.physical_bytes_locked()
+        pthread_mutex_lock(&self.lock)
+        self.phys_snapshot = free_bytes
+        self.phys_base = base
+        self.phys_time = _now()
+        pthread_mutex_unlock(&self.lock)
+        return 0
+
+
+cdef class PageAllocator(PageMapper):
     """Hands out mapped page ids of one PageTable, keeping a pool of mapped, unused ones.
 
     Page ids live in exactly one state (Note [Page allocator states]): free (unmapped, below
@@ -67,8 +291,8 @@ cdef class PageAllocator(Refillable):
     Fenwick tree rather than a plain stack so that the lowest ids go first (a shrink finds the top
     ids free more often) and so that "the weight of the next k pages" — the blocks they hold,
     needed by available_blocks() — is an O(log pages) query. The states and the sets are its
-    page ledger (kvcached.core.pagesets). When the pool is refilled or trimmed is its
-    RefillPolicy's decision; this class holds the mechanisms (Note [Refill policy]).
+    page ledger (kvcached.core.pagesets), the driver work its PageMapper base. When the pool is
+    refilled or trimmed is its RefillPolicy's decision (Note [Refill policy]).
 
     Lock rule: ``lock`` guards the state and is never held across a driver or Python call, so it
     may be waited on with the GIL held; ``map_lock`` serialises every page-table call (the table is
@@ -238,70 +462,6 @@ cdef class PageAllocator(Refillable):
         finally:
             pthread_mutex_unlock(&self.map_lock)
 
-    cdef int _map_free_ids(self, int32_t* out, int np, int k, bint into_pool, int* pooled) except -1 nogil:
-        """Map the k lowest free ids into out[np..np + k): the one protocol of a slow take and
-        of a refill chunk (Note [Mapping in transit]). Hold map_lock and lock; returns with lock
-        released. A take (into_pool False) passes the np pool ids it already moved to used in
-        out[0..np): on success all np + k are used; on failure the pool ids go back onto the pool
-        in their old order. A refill (into_pool True, np = 0) pools what still fits the pool and
-        the limit (pooled[0]); the rest stay in transit for the caller to unmap. On failure the
-        free ids go back (Note [Failed unmap]) and the gate gets back what it granted for them.
-        Returns 0 mapped, _OOM (the gate refused, out of memory), or raises (settled as failed)."""
-        cdef int32_t* ids = out + np
-        cdef int i, rc = 0, unmapped = 0, fits = 0
-        cdef bint finished = False, gated = False
-        for i in range(k):
-            ids[i] = freeset_pop_lowest(&self.led.free_set)
-            if into_pool:
-                self.led.refill_transit_weight += self.led.weight[ids[i]]
-        ledger_to_transit(&self.led, k, ids)
-        if into_pool:
-            self.led.refill_transit += k
-        pthread_mutex_unlock(&self.lock)
-        try:
-            if self.policy._gate_acquire(k, self.page_bytes) == 0:
-                rc = _OOM
-            else:
-                gated = True
-                rc = self.table.map_pages(ids, k)
-            finished = True
-        finally:
-            pthread_mutex_lock(&self.lock)
-            if into_pool:
-                self.led.refill_transit -= k
-                for i in range(k):
-                    self.led.refill_transit_weight -= self.led.weight[ids[i]]
-            if finished and rc == 0 and into_pool:
-                # a limit set, or returns that filled the pool, while we mapped win: keep only
-                # what still fits (the pool never exceeds max_reserved)
-                fits = <int>max(0, min(k, self.led.max_reserved - self.led.pool.num, ledger_headroom(&self.led) + k))
-                ledger_push_pool(&self.led, fits, ids)
-                self.led.num_transit -= fits
-                self.num_maps += k
-                self.num_refills += 1
-                pooled[0] = fits
-                if fits:
-                    pthread_cond_broadcast(&self.policy.pool_cv)
-            elif finished and rc == 0:
-                ledger_transit_to_used(&self.led, k, ids)
-                self.num_maps += k
-                self.pages_taken += np + k
-                if self.policy.bg_running and self.led.pool.num < self.policy.refill_target:
-                    pthread_cond_signal(&self.policy.wake)     # the slow path emptied the pool: refill now
-            else:
-                unmapped = ledger_settle_unmapped(&self.led, k, ids, self.table.mapped)
-                self.led.num_transit -= k
-                if into_pool:
-                    self.num_refill_failures += 1
-                else:
-                    self.led.num_used -= np
-                    ledger_unpop_pool(&self.led, np, out)
-                    self.num_oom += 1
-            pthread_mutex_unlock(&self.lock)
-            if gated and unmapped:
-                self.policy._gate_release(unmapped, self.page_bytes)
-        return rc
-
     # -- returning pages ----------------------------------------------------------------------
     cdef int return_pages_fast(self, int n, const int32_t* ids) noexcept nogil:
         """Put n used pages into the pool if all fit (pool <= max_reserved, limit respected).
@@ -357,151 +517,6 @@ cdef class PageAllocator(Refillable):
                 self._drain(False)
             finally:
                 pthread_mutex_unlock(&self.map_lock)
-        return 0
-
-    cdef int _discard_used(self, int n, int32_t* ids) except -1 nogil:
-        """Unmap pages in use that their taker cannot hand out (its BlockAllocator was closed
-        while it mapped them). Takes map_lock and lock."""
-        if n <= 0:
-            return 0
-        pthread_mutex_lock(&self.map_lock)
-        try:
-            pthread_mutex_lock(&self.lock)
-            ledger_to_transit(&self.led, n, ids)
-            self.led.num_used -= n
-            pthread_mutex_unlock(&self.lock)
-            self._unmap_ids(n, ids)
-        finally:
-            pthread_mutex_unlock(&self.map_lock)
-        return 0
-
-    # -- unmapping (the holder of map_lock) ---------------------------------------------------
-    cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil:
-        """Unmap ids in transit (hold map_lock, not lock) and put them back as free/outside; an id
-        the driver refused to unmap stays mapped and counted, queued for a retry by the next
-        drain, never lost (Note [Failed unmap]). The budget gate gets back exactly the pages
-        unmapped. Raises only for failures past the unmap itself (the ids settled the same way)."""
-        cdef int unmapped = 0
-        if n <= 0:
-            return 0
-        try:
-            self.table.unmap_pages(ids, n)
-        finally:
-            pthread_mutex_lock(&self.lock)
-            unmapped = ledger_settle_unmapped(&self.led, n, ids, self.table.mapped)
-            self.led.num_transit -= n
-            self.num_unmaps += unmapped
-            if unmapped < n:
-                self.num_unmap_failures += n - unmapped
-            pthread_mutex_unlock(&self.lock)
-            self.policy._gate_release(unmapped, self.page_bytes)
-        return 0
-
-    cdef int _drain(self, bint wait_all) except -1 nogil:
-        """Unmap pending batches, oldest first, while their fence is done; with wait_all, wait
-        for every fence (polling, 50 us). Hold map_lock. Stops at the first fence not done:
-        fences of one stream complete in order. Then unmaps again, once, the ids whose unmap
-        failed before (Note [Failed unmap])."""
-        cdef uintptr_t fence
-        cdef int c
-        while True:
-            pthread_mutex_lock(&self.lock)
-            if self.led.pending.num_batches == 0:
-                c = pending_take_retries(&self.led.pending, self.scratch)
-                ledger_to_transit(&self.led, c, self.scratch)
-                pthread_mutex_unlock(&self.lock)
-                return self._unmap_ids(c, self.scratch)
-            fence = pending_oldest_fence(&self.led.pending)
-            pthread_mutex_unlock(&self.lock)
-            if self.backend._fence_done(fence) != 1:
-                if not wait_all:
-                    return 0
-                usleep(50)
-                continue
-            pthread_mutex_lock(&self.lock)
-            c = pending_pop(&self.led.pending, self.scratch)
-            ledger_to_transit(&self.led, c, self.scratch)
-            pthread_mutex_unlock(&self.lock)
-            self.backend._release_fence(fence)
-            self._unmap_ids(c, self.scratch)
-
-    cdef int _pool_out(self, int keep, int below) except -1 nogil:
-        """Take pool ids >= `below`, then pool ids from the top until at most `keep` remain
-        (keep < 0: what the limit allows), and queue them behind one fence recorded now: kernels
-        queued before their blocks were freed may still read them (Note [Deferred unmap]). Then
-        unmaps what is due (on the host: all of it). Hold map_lock. If the fence cannot be
-        recorded the ids go back onto the pool, mapped, and the error is raised."""
-        cdef int n, k = -1
-        cdef uintptr_t fence = 0
-        pthread_mutex_lock(&self.lock)
-        if keep < 0:
-            keep = <int>max(0, min(self.led.pool.num, self.led.pool.num + ledger_headroom(&self.led)))
-        n = pool_drop(&self.led.pool, below, keep, self.scratch)
-        ledger_to_transit(&self.led, n, self.scratch)
-        pthread_mutex_unlock(&self.lock)
-        if n == 0:
-            return 0
-        try:
-            self.backend._record_fence(self.stream, &fence)
-            k = 0
-        finally:
-            pthread_mutex_lock(&self.lock)
-            self.led.num_transit -= n
-            if k == 0:
-                ledger_queue_pending(&self.led, n, self.scratch, fence)
-                self.num_fences += 1
-            else:
-                ledger_push_pool(&self.led, n, self.scratch)     # no fence: nothing may be unmapped
-            pthread_mutex_unlock(&self.lock)
-        return self._drain(False)
-
-    cdef int _unmap_pool(self) except -1 nogil:
-        """The whole pool behind a fence (_pool_out), and the backend's cached handles released
-        (trim and the idle trim). Hold map_lock."""
-        self._pool_out(0, self.num_table_pages)
-        return self.backend.release_cached_above(0)
-
-    # -- filling the pool (driven by the RefillPolicy) ----------------------------------------
-    cdef int _map_into_pool(self, int chunk, bint* failed) except -1 nogil:
-        """Map up to `chunk` free ids into the pool, towards the policy's refill_target (none
-        while it stops or the pool was trimmed), the driver call outside `lock`; returns how
-        many went into the pool (0: nothing to do, or out of memory / the gate refused, which
-        sets failed[0]). Takes map_lock. See Note [Background thread]."""
-        cdef int k, rc = _OOM, fits = 0
-        pthread_mutex_lock(&self.map_lock)
-        try:
-            pthread_mutex_lock(&self.lock)
-            k = 0
-            if not (self.policy.bg_stopping or self.policy.idle_trimmed):
-                k = <int>min(self.policy.refill_target - self.led.pool.num, self.led.free_set.num, chunk,
-                             ledger_headroom(&self.led))
-            if k <= 0:
-                pthread_mutex_unlock(&self.lock)
-                return 0
-            try:
-                rc = self._map_free_ids(self.scratch, 0, k, True, &fits)
-            finally:
-                if rc != 0:
-                    failed[0] = True
-            if rc != 0:
-                self._refresh_physical()
-                return 0
-            elif fits < k:
-                self._unmap_ids(k - fits, self.scratch + fits)
-            return fits
-        finally:
-            pthread_mutex_unlock(&self.map_lock)
-
-    cdef int _refresh_physical(self) except -1 nogil:
-        """Ask the backend for its free physical bytes (a driver call on CUDA). Hold map_lock."""
-        cdef size_t free_bytes = 0, base
-        self.backend._free_physical_bytes(&free_bytes)
-        base = self.backend.physical_bytes_locked()
-        pthread_mutex_lock(&self.lock)
-        self.phys_snapshot = free_bytes
-        self.phys_base = base
-        self.phys_time = _now()
-        pthread_mutex_unlock(&self.lock)
         return 0
 
     # -- the weights (BlockAllocator) ---------------------------------------------------------
@@ -803,33 +818,8 @@ cdef class PageAllocator(Refillable):
 
     def stats(self) -> dict:
         """A consistent snapshot of the counts and counters (taken under one lock)."""
-        cdef int v[10]
-        cdef uint64_t c[15]
-        cdef size_t phys
         self._check_not_forked()
-        with nogil:
-            pthread_mutex_lock(&self.lock)
-            v[0] = self.led.capacity; v[1] = self.led.free_set.num; v[2] = self.led.num_used; v[3] = self.led.pool.num
-            v[4] = pending_num(&self.led.pending); v[5] = self.led.num_transit; v[6] = self.led.limit; v[7] = self.table.num_mapped
-            c[0] = self.num_maps; c[1] = self.num_unmaps; c[2] = self.num_pool_hits; c[3] = self.num_slow_path
-            c[4] = self.num_oom; c[5] = self.num_fences; c[6] = self.policy.num_idle_trims; c[7] = self.num_refills
-            c[8] = self.activity; c[9] = <uint64_t>self.led.pool.weight_sum
-            c[10] = self.policy.num_pool_waits; c[11] = self.pages_taken; v[8] = self.policy.refill_target
-            v[9] = self.led.pending.num_retry; c[12] = self.num_unmap_failures
-            c[13] = self.num_refill_failures; c[14] = self.policy.num_bg_rounds
-            phys = self.phys_snapshot
-            pthread_mutex_unlock(&self.lock)
-        return {
-            "capacity_pages": v[0], "free": v[1], "in_use": v[2], "reserved": v[3],
-            "pending_unmap": v[4], "transit": v[5], "limit_pages": v[6], "mapped": v[7],
-            "reserved_weight": c[9], "free_physical_bytes": phys, "page_bytes": self.page_bytes,
-            "min_reserved": self.policy.min_reserved, "max_reserved": self.led.max_reserved,
-            "num_maps": c[0], "num_unmaps": c[1], "num_pool_hits": c[2], "num_slow_path": c[3],
-            "num_oom": c[4], "num_fences": c[5], "num_idle_trims": c[6], "num_refills": c[7],
-            "num_take_return": c[8], "num_pool_waits": c[10], "pages_taken": c[11],
-            "refill_target": v[8], "unmap_retries": v[9], "num_unmap_failures": c[12],
-            "num_refill_failures": c[13], "num_bg_rounds": c[14],
-        }
+        return _stats(self)
 
     def page_states(self):
         """numpy uint8 copy of every page id's state (0 outside, 1 free, 2 pool, 3 used,
@@ -864,6 +854,36 @@ cdef class PageAllocator(Refillable):
             raise AssertionError((<bytes>msg).decode())
         assert transit == 0, f"{transit} page ids in transit while map_lock is held"
         return True
+
+
+cdef dict _stats(PageAllocator pa):
+    # PageAllocator.stats(): every count and counter, read under one hold of `lock`
+    cdef int v[10]
+    cdef uint64_t c[15]
+    cdef size_t phys
+    with nogil:
+        pthread_mutex_lock(&pa.lock)
+        v[0] = pa.led.capacity; v[1] = pa.led.free_set.num; v[2] = pa.led.num_used; v[3] = pa.led.pool.num
+        v[4] = pending_num(&pa.led.pending); v[5] = pa.led.num_transit; v[6] = pa.led.limit; v[7] = pa.table.num_mapped
+        c[0] = pa.num_maps; c[1] = pa.num_unmaps; c[2] = pa.num_pool_hits; c[3] = pa.num_slow_path
+        c[4] = pa.num_oom; c[5] = pa.num_fences; c[6] = pa.policy.num_idle_trims; c[7] = pa.num_refills
+        c[8] = pa.activity; c[9] = <uint64_t>pa.led.pool.weight_sum
+        c[10] = pa.policy.num_pool_waits; c[11] = pa.pages_taken; v[8] = pa.policy.refill_target
+        v[9] = pa.led.pending.num_retry; c[12] = pa.num_unmap_failures
+        c[13] = pa.num_refill_failures; c[14] = pa.policy.num_bg_rounds
+        phys = pa.phys_snapshot
+        pthread_mutex_unlock(&pa.lock)
+    return {
+        "capacity_pages": v[0], "free": v[1], "in_use": v[2], "reserved": v[3],
+        "pending_unmap": v[4], "transit": v[5], "limit_pages": v[6], "mapped": v[7],
+        "reserved_weight": c[9], "free_physical_bytes": phys, "page_bytes": pa.page_bytes,
+        "min_reserved": pa.policy.min_reserved, "max_reserved": pa.led.max_reserved,
+        "num_maps": c[0], "num_unmaps": c[1], "num_pool_hits": c[2], "num_slow_path": c[3],
+        "num_oom": c[4], "num_fences": c[5], "num_idle_trims": c[6], "num_refills": c[7],
+        "num_take_return": c[8], "num_pool_waits": c[10], "pages_taken": c[11],
+        "refill_target": v[8], "unmap_retries": v[9], "num_unmap_failures": c[12],
+        "num_refill_failures": c[13], "num_bg_rounds": c[14],
+    }
 
 
 # Note [Page allocator states]

@@ -2,8 +2,8 @@
 # refilled and trimmed: its background thread, refill target, idle trim, budget gate) and
 # Refillable, the part of a page allocator the policy reads and the mechanisms it calls.
 # Refillable is declared here, below the allocator, so that the policy needs no cimport of
-# pagealloc (Cython forbids a cycle): PageAllocator is its one subclass and defines the
-# mechanisms (Note [Refill policy]). Failure modes as everywhere in the core: `except -1` raises,
+# pagealloc (Cython forbids a cycle): pagealloc's PageMapper subclasses it and defines the
+# mechanisms, PageAllocator (below PageMapper) the pool take (Note [Refill policy]). Failure modes as everywhere in the core: `except -1` raises,
 # out of memory is a value, `noexcept` is bookkeeping only. It cimports pagesets, pagetable and
 # vmm; pagealloc cimports it.
 
@@ -20,7 +20,7 @@ cdef class RefillPolicy
 
 
 cdef class Refillable:
-    # What a RefillPolicy reads and drives; PageAllocator (pagealloc.pxd) is the one subclass.
+    # What a RefillPolicy reads and drives; pagealloc.pxd's PageMapper and PageAllocator define it.
     cdef pthread_mutex_t lock                   # state lock: led and the fields below; never held across a driver or Python call
     cdef pthread_mutex_t map_lock               # serialises page-table calls (map/unmap); waited on only without the GIL
     cdef pagesets.PageLedger led                # every page id's state, the free set, the pool, the pending ring, the counts
@@ -32,7 +32,7 @@ cdef class Refillable:
     cdef double phys_time                       # monotonic seconds of the last free-physical-memory snapshot
     cdef public object last_error               # last exception caught off the caller's path (thread, free)
 
-    # the mechanisms (PageAllocator defines them; these raise NotImplementedError / return _NEED_SLOW)
+    # the mechanisms (pagealloc defines them; these raise NotImplementedError / return _NEED_SLOW)
     cdef int _take_pool_locked(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil  # 0 / _NEED_SLOW; hold lock
     cdef int _map_into_pool(self, int chunk, bint* failed) except -1 nogil   # pages pooled (0: nothing, or failed[0] set), or raises
     cdef int _drain(self, bint wait_all) except -1 nogil        # 0, or raises (what failed stays pending or retried); hold map_lock

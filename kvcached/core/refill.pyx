@@ -4,11 +4,13 @@
 RefillPolicy is the decision half of a PageAllocator: its background thread and its wake-up, the
 refill target, idle trim, waiting for a running round, and the budget gate asked before every
 mapping. The mechanisms it drives — map a chunk into the pool, drain deferred unmaps, unmap the
-pool, refresh the free-physical-memory figure — are the allocator's. So that this module stands
-below kvcached.core.pagealloc without a cimport cycle, the policy sees the allocator as a
-Refillable: the locks, the page ledger and the few counters it reads, and those mechanisms as
-cdef methods, which PageAllocator (the one subclass) defines. The calls go through the vtable, off
-the pool fast path; the fast path itself only reads the policy's fields. See Note [Refill policy].
+pool, refresh the free-physical-memory figure — are the allocator's. It is its own module, apart
+from kvcached.core.pagealloc, so that each stays a size one can read (the policy and its Notes
+were a third of that module); being below pagealloc without a cimport cycle, it sees the
+allocator as a Refillable: the locks, the page ledger and the few counters it reads, and those
+mechanisms as cdef methods, which pagealloc's PageMapper (and its subclass PageAllocator)
+define. The calls go through the vtable, off the pool fast path; the fast path itself only reads
+the policy's fields. See Note [Refill policy].
 
 It stands on kvcached.core.pagesets (the ledger, inline), kvcached.core.pagetable and
 kvcached.core.vmm; kvcached.core.pagealloc is the only module above it.
@@ -28,28 +30,28 @@ import threading as _threading
 
 
 cdef class Refillable:
-    """What a RefillPolicy reads and drives: PageAllocator's locks, its page ledger, the counters
-    the policy's rules read, and the mechanisms below, which PageAllocator defines (Note [Refill
-    policy]). Not made on its own."""
+    """What a RefillPolicy reads and drives: a page allocator's locks, its page ledger, the
+    counters the policy's rules read, and the mechanisms below, which pagealloc's PageMapper and
+    PageAllocator define (Note [Refill policy]). Not made on its own."""
 
     cdef int _take_pool_locked(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil:
         return _NEED_SLOW
 
     cdef int _map_into_pool(self, int chunk, bint* failed) except -1 nogil:
         with gil:
-            raise NotImplementedError("Refillable._map_into_pool: PageAllocator defines it")
+            raise NotImplementedError("Refillable._map_into_pool: PageMapper defines it")
 
     cdef int _drain(self, bint wait_all) except -1 nogil:
         with gil:
-            raise NotImplementedError("Refillable._drain: PageAllocator defines it")
+            raise NotImplementedError("Refillable._drain: PageMapper defines it")
 
     cdef int _unmap_pool(self) except -1 nogil:
         with gil:
-            raise NotImplementedError("Refillable._unmap_pool: PageAllocator defines it")
+            raise NotImplementedError("Refillable._unmap_pool: PageMapper defines it")
 
     cdef int _refresh_physical(self) except -1 nogil:
         with gil:
-            raise NotImplementedError("Refillable._refresh_physical: PageAllocator defines it")
+            raise NotImplementedError("Refillable._refresh_physical: PageMapper defines it")
 
 
 cdef class RefillPolicy:
@@ -288,8 +290,8 @@ cdef class RefillPolicy:
 # while the thread runs, its Thread object holds both, as the bound method did before.
 # The policy lives in its own module, below the allocator's: the argument is typed Refillable,
 # a base class declared here with the fields the policy reads and the mechanisms as cdef
-# methods, which PageAllocator (the one subclass) defines; a cimport of pagealloc here would be
-# a cycle, which Cython forbids. The mechanisms are vtable calls, made by the thread and by
+# methods, which pagealloc's PageMapper (the driver work) and PageAllocator define; a cimport of
+# pagealloc here would be a cycle, which Cython forbids. The mechanisms are vtable calls, made by the thread and by
 # short callers, never on the pool fast path.
 # The policy has no lock of its own: its fields are guarded by the allocator's `lock`, and its
 # condition variables are waited on with that lock, so the lock order is unchanged and the pool
