@@ -1,6 +1,7 @@
 """The page allocator's three sets (kvcached.core.pagesets), each on its own: random operations
 against a plain Python model with the set's check after every step, and each check shown to
-fail on a corrupted field. The sets are held in numpy arrays through the module's test hooks."""
+fail on a corrupted field. The sets are held in numpy arrays through the module's test hooks;
+the ledger's check across them is shown to pass a consistent ledger and fail on each invariant."""
 
 import random
 
@@ -166,3 +167,29 @@ def test_pending_ring_check_fails_on_a_corrupted_field(corrupt, message):
 def test_unknown_op_names_the_choices():
     with pytest.raises(ValueError, match="unknown pool op 'shuffle'; use push, pop, drop or check"):
         pagesets.pool_step(pagesets.new_pool([1]), "shuffle")
+
+
+# The ledger: ids 0..5 below capacity 6 and ids 6, 7 above; 0 free, 1 pool, 2 used, 3 pending,
+# 4 free, 5 outside (weight 0), 6 and 7 outside. Each case breaks one invariant of the one before.
+LEDGER = {"state": [1, 2, 3, 4, 1, 0, 0, 0], "weight": [1, 2, 1, 1, 3, 0, 1, 1], "capacity": 6,
+          "mapped": [0, 1, 1, 1, 0, 0, 0, 0], "pool_ids": [1], "pending_ids": [3]}
+
+
+def test_ledger_check_passes_a_consistent_ledger():
+    pagesets.ledger_check_step(**LEDGER)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"pool_ids": []}, "page id 1 is in state 2 but held by the set of state 0"),
+    ({"pending_ids": [3, 0]}, "page id 0 is in state 1 but held by the set of state 255"),
+    ({"num_used": 2}, "the counts say 2/1/2/1/0"),
+    ({"capacity": 4}, "page id 4 is free at or above capacity 4"),
+    ({"weight": [0, 2, 1, 1, 3, 0, 1, 1]}, "free page id 0 holds no block"),
+    ({"weight": [1, 2, 1, 1, 3, 5, 1, 1]}, "page id 5 below capacity is lost"),
+    ({"mapped": [0, 1, 0, 1, 0, 0, 0, 0]}, "page id 2 in state 3 is unmapped in the table"),
+    ({"mapped": [0, 1, 2, 1, 0, 0, 0, 0]}, "page id 2 in state 3 is partly unmapped in the table"),
+    ({"state": [1, 2, 3, 4, 1, 0, 0, 9]}, "page id 7 has no state"),
+])
+def test_ledger_check_fails_on_each_broken_invariant(change, message):
+    with pytest.raises(AssertionError, match=message):
+        pagesets.ledger_check_step(**{**LEDGER, **change})

@@ -904,7 +904,7 @@ cdef dict _stats(PageAllocator pa):
 # went back unmapped. Only what a success means differs: a take's ids become used (with the pool
 # ids it took first), a refill's go into the pool as far as max_reserved and the limit still
 # allow. A failure (the gate refused, out of memory, an error) undoes both the same way. Ids
-# that leave transit after an unmap or a failed map are settled by one loop, _settle_unmapped.
+# that leave transit after an unmap or a failed map are settled by one loop, ledger_settle_unmapped.
 #
 # Note [Failed unmap]
 # An unmap the driver refuses (host: ENOMEM at vm.max_map_count, where every mmap fails, even one
@@ -912,7 +912,7 @@ cdef dict _stats(PageAllocator pa):
 # went back, so it stayed in transit for good, and its limit headroom and budget bytes with it.
 # Now the page table reports such ids instead of raising (PageTable.unmap_pages returns how many,
 # marking each mapped = 2: only unmapping may follow), and the allocator keeps them mapped and
-# counted — state pending, in retry_ids rather than the fence ring, holding their budget bytes —
+# counted — state pending, on the ring's retry list rather than behind a fence, holding their budget bytes —
 # until the next drain (background thread every 10 ms, slow takes, drain(), trim()) unmaps them.
 # The budget gate gets back exactly the pages that were unmapped. A free whose pages cannot be
 # unmapped therefore succeeds (the blocks are free); the failure shows in stats()

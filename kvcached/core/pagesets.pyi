@@ -21,3 +21,14 @@ def new_pending_ring(size: int) -> dict[str, Any]:
     """An empty pending ring for ids [0, size), size > 0."""
 def pending_step(f: dict[str, Any], op: str, ids: Sequence[int] = (), fence: int = 0) -> Any:
     """push ids behind fence, pop (fence, ids), retry ids, take_retries, copy, check (AssertionError)."""
+def ledger_check_step(
+    state: Sequence[int],
+    weight: Sequence[int],
+    capacity: int,
+    mapped: Sequence[int],
+    pool_ids: Sequence[int] = (),
+    pending_ids: Sequence[int] = (),
+    num_used: int | None = None,
+    num_transit: int = 0,
+) -> None:
+    """A ledger over these per-id arrays, checked: AssertionError naming the first broken invariant."""

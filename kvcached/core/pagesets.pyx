@@ -1,12 +1,15 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
-"""kvcached.core.pagesets: the three sets of page ids a PageAllocator keeps, each with its check.
+"""kvcached.core.pagesets: where each page id of a PageAllocator is, with the checks.
 
 FreeSet holds the unmapped ids below capacity as a Fenwick tree, so that the lowest go first and
 "the weight of the k lowest" is O(log pages); PoolStack the mapped, unused ids (last returned,
 first reused); PendingRing the mapped ids waiting for their fence, in batches, and the ids whose
-unmap failed. Their operations are inline in pagesets.pxd (the pool fast path pays no call);
-this module allocates them and checks each one's own invariant. Which state a page id is in,
-and that the sets agree with it, is the allocator's business (kvcached.core.pagealloc).
+unmap failed. PageLedger holds the three with each id's state and the counts across them, so
+that the allocator's bookkeeping under its lock — moving ids between states, the one limit rule,
+resize, binding weights — is written once, here, apart from its locks and driver calls. Their
+operations are inline in pagesets.pxd (the pool fast path pays no call); this module allocates
+them, does the rarer whole-table operations and checks each one's own invariant, the ledger's
+across the sets and the page table's mapped bits (Note [Page allocator states] in pagealloc.pyx).
 
 The ``*_step`` functions at the bottom are test hooks: they run one operation or check on a set
 held in plain numpy arrays, so the sets can be tested (and corrupted) without an allocator.
@@ -500,3 +503,38 @@ def pending_step(dict f, str op, ids=(), uint64_t fence=0):
     for k, v in zip(_RING_INTS, (r.head, r.num_fenced, r.batch_head, r.num_batches, r.num_retry)):
         f[k] = v
     return out
+
+
+def ledger_check_step(state, weight, int capacity, mapped, pool_ids=(), pending_ids=(), num_used=None,
+                      int num_transit=0):
+    """Build a ledger over these per-id arrays — the free set from the free states, the pool and
+    one pending batch from the ids given, num_used (default: the used states) — and run its
+    check, which raises AssertionError naming the first broken invariant."""
+    import numpy as np
+    cdef uint8_t[::1] st = np.ascontiguousarray(state, np.uint8), mp = np.ascontiguousarray(mapped, np.uint8)
+    cdef int32_t[::1] w = np.ascontiguousarray(weight, np.int32)
+    cdef int32_t[::1] pend = np.array(list(pending_ids) + [0], np.int32)
+    cdef PageLedger L
+    cdef char msg[256]
+    cdef int p, n = st.shape[0], rc
+    if ledger_init(&L, n, capacity, n) != 0:
+        ledger_release(&L)
+        raise MemoryError
+    try:
+        for p in range(n):
+            if L.state[p] == _PS_FREE:
+                freeset_update(&L.free_set, p, -1)
+            L.weight[p] = w[p]
+            L.state[p] = st[p]
+            if st[p] == _PS_FREE:
+                freeset_update(&L.free_set, p, 1)
+        for p in pool_ids:
+            pool_push(&L.pool, p)
+        if len(pending_ids):
+            pending_push(&L.pending, len(pending_ids), &pend[0], 0)
+        L.num_used = int((np.asarray(st) == _PS_USED).sum()) if num_used is None else num_used
+        L.num_transit = num_transit
+        rc = ledger_check(&L, &mp[0], int((np.asarray(mp) != 0).sum()), msg, sizeof(msg))
+    finally:
+        ledger_release(&L)
+    _raise_unless_ok(rc, msg)
