@@ -1,5 +1,5 @@
-"""Build kvcached's compiled core (kvcached/core: vmm, hostmem, pagetable, pagealloc, freebuckets,
-blockargs, blockalloc) against cuda-bindings' cydriver.
+"""Build kvcached's compiled core (kvcached/core: vmm, hostmem, pagetable, pagesets, refill, pagealloc,
+freebuckets, blockargs, blockalloc) against cuda-bindings' cydriver.
 
 See Note [Which cuda.h] for how the header is chosen and why the pairing is checked here
 instead of failing deep inside the C++ compiler.
@@ -78,7 +78,8 @@ def find_cuda_include() -> str:
 
 # The compiled core: one extension module per layer, each cimporting only the ones before it, each
 # with a .pxd contract and a .pyi stub (shipped as package data). The generated C++ goes to build/.
-CORE_MODULES = ("vmm", "hostmem", "pagetable", "pagealloc", "freebuckets", "blockargs", "blockalloc")
+CORE_MODULES = ("vmm", "hostmem", "pagetable", "pagesets", "refill", "pagealloc", "freebuckets", "blockargs",
+                "blockalloc")
 
 
 def extensions():

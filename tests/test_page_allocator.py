@@ -263,3 +263,35 @@ def test_bad_input(stack_factory, host_backend):
         PageAllocator(table, min_reserved=3, max_reserved=2)
     with pytest.raises(KVCachedConfigError):
         PageAllocator(table, idle_trim_s=-1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_operations_keep_every_set_and_state_consistent(stack_factory, seed):
+    """Random takes, returns, limits, resizes, trims and drains, the free set, the pool and the
+    pending ring each checked (and the states across them) after every step."""
+    import random
+
+    rng = random.Random(seed)
+    s = stack_factory(block_bytes=None, capacity_granules=12, max_reserved=3)
+    num_pages = s.pages.num_table_pages
+    held: list[int] = []
+    for _ in range(120):
+        op = rng.choice(["take", "take", "give_back", "limit", "resize", "trim", "drain"])
+        if op == "take":
+            got = s.pages.take(rng.randint(1, 4))
+            held += got or []
+        elif op == "give_back" and held:
+            rng.shuffle(held)
+            n = rng.randint(1, len(held))
+            s.pages.give_back(held[:n])
+            held = held[n:]
+        elif op == "limit":
+            s.pages.set_limit_pages(rng.choice([-1, len(held) + rng.randint(0, 4)]))
+        elif op == "resize":
+            s.pages.resize(rng.randint(max(held, default=-1) + 1, num_pages))
+        elif op == "trim":
+            s.pages.trim()
+        elif op == "drain":
+            s.pages.drain(wait=True)
+        assert s.pages.check_invariants()
+        assert s.pages.stats()["in_use"] == len(held)

@@ -6,22 +6,28 @@
     hostmem     HostBackend (mmap reservations over one pool memfd: the GPU's semantics on
                 host memory)
     pagetable   PageTable (what one page id maps, all or nothing, with rollback)
-    pagealloc   PageAllocator (free set, reserved pool, pending ring of fences, limits) and its
-                RefillPolicy (background refill, idle trim, budget gate)
+    pagesets    where each page id is: FreeSet (a Fenwick tree), PoolStack (the reserved pool),
+                PendingRing (fenced ids, unmap retries), each with its own check, and PageLedger
+                (each id's state across them, the counts, the limit rule)
+    refill      RefillPolicy (background refill, idle trim, budget gate) and Refillable, what it
+                drives of the allocator above
+    pagealloc   PageAllocator (take and return, the pool fast path, limits, resize) over
+                PageMapper (mapping and unmapping through transit, fences)
     freebuckets pages filed by free count (best fit by a bit scan), for the block allocator
     blockargs   what callers hand the block allocator, checked and converted (counts, ids,
                 page intervals, host memory for its bookkeeping)
     blockalloc  BlockAllocator (block ids over whole pages: best fit, per-block state)
 
-Each module's ``.pxd`` is its C contract and cimports only the modules above it in this list;
+Each module's ``.pxd`` is its C contract and cimports only modules listed before it;
 its ``.pyi`` types its Python surface. This package re-exports the Python names, so that code
 above the core writes ``from kvcached.core import BlockAllocator``.
 """
 
 from kvcached.core.blockalloc import BlockAllocator
 from kvcached.core.hostmem import HostBackend
-from kvcached.core.pagealloc import PageAllocator, RefillPolicy
+from kvcached.core.pagealloc import PageAllocator
 from kvcached.core.pagetable import PageTable
+from kvcached.core.refill import RefillPolicy
 from kvcached.core.vmm import (
     DEFAULT_HANDLE_CACHE_SIZE,
     MAX_HANDLE_CACHE_SIZE,

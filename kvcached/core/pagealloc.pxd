@@ -1,125 +1,55 @@
-# The C-level contract of kvcached.core.pagealloc: PageAllocator (free set, reserved pool, deferred
-# unmap, limits) and RefillPolicy (its background thread, refill target, idle trim, budget gate).
-# Every field commented, every cdef's failure mode stated: `except -1` raises; out of memory is
-# the value _OOM (1, from vmm), never an exception; `noexcept` is bookkeeping only (never a
-# driver call). It cimports pagetable and vmm; only blockalloc cimports it.
+# The C-level contract of kvcached.core.pagealloc: PageAllocator (the data path and the Python
+# surface) over PageMapper (the driver work: ids mapped and unmapped through transit, fences),
+# around a page ledger (each page id's state and the sets holding it: pagesets.pxd). PageMapper
+# is the Refillable its RefillPolicy drives (refill.pxd: the locks, the ledger and the counters
+# the policy reads are declared there, inherited here). Every field commented, every cdef's failure
+# mode stated: `except -1` raises; out of memory is the value _OOM (1, from vmm), never an
+# exception; `noexcept` is bookkeeping only (never a driver call). It cimports refill, pagesets,
+# pagetable and vmm; only blockalloc cimports it.
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 
-from kvcached.core._posix cimport pthread_cond_t, pthread_mutex_t
-from kvcached.core cimport pagetable
-from kvcached.core cimport vmm
+from kvcached.core cimport pagetable, refill, vmm
+# what blockalloc takes from here: the slow-path sentinel and the used state (pagesets.pxd)
+from kvcached.core.pagesets cimport _NEED_SLOW, _PS_USED
 
-# Lock order (see Note [Allocator locks] in blockalloc.pyx): BlockAllocator.lock ->
-# PageAllocator.map_lock -> PageAllocator.lock -> Backend._lock. Nothing is waited on in the
-# other direction. RefillPolicy has no lock: its fields are guarded by its allocator's `lock`.
-
-cdef enum:
-    _NEED_SLOW = 2      # a fast (GIL-held, driver-free) worker could not serve: retry the slow way
-
-cdef enum:
-    # PageAllocator.state[page_id]; every page id of the table is in exactly one state
-    _PS_OUTSIDE = 0     # not handed out: at or above capacity_pages, or holds no block (weight 0)
-    _PS_FREE = 1        # below capacity, unmapped, in the free set
-    _PS_POOL = 2        # mapped, unused: the reserved pool
-    _PS_USED = 3        # mapped, handed out by take_pages / take_blocks
-    _PS_PENDING = 4     # returned, still mapped until its fence is done (then unmapped)
-    _PS_TRANSIT = 5     # being mapped or unmapped by the holder of map_lock
-
-cdef class PageAllocator
+# Lock order: refill.pxd (BlockAllocator.lock -> map_lock -> lock -> Backend._lock).
 
 
-cdef class RefillPolicy:
-    # When the pool is refilled and trimmed; owned by one PageAllocator, which every method gets
-    # as `pa` (no reference back: Note [Refill policy]). Fields guarded by pa.lock unless noted.
-    cdef vmm.Lifecycle life                     # made here or inherited by a forked child (never closed)
-    cdef pthread_cond_t wake                    # the background thread sleeps on it (with pa.lock)
-    cdef pthread_cond_t pool_cv                 # broadcast when a refill round pools a page or ends (with pa.lock)
-    cdef int min_reserved                       # the pool's floor: a round aims at least this high
-    cdef int refill_target                      # pool size a refill round aims at, in [min_reserved, pa.max_reserved]
-    cdef double idle_trim_s                     # trim the pool after this long without take/return; 0 off (unlocked)
-    cdef bint bg_refilling                      # a refill round runs: short callers wait for it (Note [Proactive refill])
-    cdef bint bg_running                        # the background thread is running (signal it)
-    cdef bint bg_stopping                       # stop() asked it to exit
-    cdef bint bg_backoff                        # its last refill failed: sleep a full period first
-    cdef bint idle_trimmed                      # pool trimmed (idle or trim()): no refill until activity
-    cdef uint64_t bg_seen_activity              # thread only: pa.activity when it last looked
-    cdef double bg_active_time                  # thread only: when it last saw pa.activity change
-    cdef bint has_gate                          # an external budget gate is set (changed under pa.map_lock and pa.lock)
-    cdef object gate_acquire                    # acquire(nbytes) -> bool, called before mapping (under pa.map_lock)
-    cdef object gate_release                    # release(nbytes), called after unmapping (under pa.map_lock)
-    cdef object thread                          # the threading.Thread, or None (GIL)
-    # counters, ever (pa.stats() reports them under the same names)
-    cdef uint64_t num_pool_waits                # takes that waited for a refill round's pages
-    cdef uint64_t num_idle_trims                # idle trims of the pool by the background thread
-    cdef uint64_t num_bg_rounds                 # rounds the background thread completed (tests wait on it)
-
-    # `noexcept` ones are bookkeeping; the others say what they raise
-    cdef void _wake_locked(self) noexcept nogil                             # signal the thread if it runs; hold pa.lock
-    cdef void _set_floor_locked(self, int min_reserved) noexcept nogil      # new min_reserved, target reset, wake; hold pa.lock
-    cdef bint _refill_covers(self, PageAllocator pa, int64_t need, bint by_weight) noexcept nogil   # the running round will cover `need`; hold pa.lock
-    cdef int _wait_for_refill(self, PageAllocator pa, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil  # 0 / _NEED_SLOW; takes pa.lock
-    cdef int _gate_acquire(self, int n, size_t page_bytes) except -1 nogil  # 1 granted, 0 refused, or raises what the gate raised
-    cdef int _gate_release(self, int n, size_t page_bytes) except -1 nogil  # 0, or raises what the gate raised
-    cdef int _refill(self, PageAllocator pa) except -1 nogil                # 0, or raises (the round ends, waiters woken)
-    cdef int _bg_step(self, PageAllocator pa) except -1 nogil               # 0 go on, 1 exit, or raises (the thread backs off)
-    cdef int _start(self, PageAllocator pa) except -1                       # 0, or raises what Thread.start raised; GIL held
-    cdef int _stop(self, PageAllocator pa) except -1                        # 0, or raises what Thread.join raised; GIL held
-
-
-cdef class PageAllocator:
-    cdef vmm.Lifecycle life                     # live / closed / forked: Note [Fork and close]
-    cdef readonly pagetable.PageTable table    # maps and unmaps the page ids handed out
+cdef class PageMapper(refill.Refillable):
+    # The driver work of a PageAllocator (its one subclass, which makes it): maps free ids for a
+    # take or into the pool, unmaps ids behind their fence, retries failed unmaps. Inherited from
+    # refill.Refillable: lock, map_lock, led (the page ledger), table, num_table_pages,
+    # pages_taken, activity, num_slow_path, phys_time, last_error.
+    cdef refill.RefillPolicy policy             # its refill policy: made in __cinit__, never None (Note [Refill policy])
     cdef readonly vmm.Backend backend          # the table's backend (fences, physical figures, handle cache)
-    cdef pthread_mutex_t lock                   # state lock: everything below; never held across a driver or Python call
-    cdef pthread_mutex_t map_lock               # serialises page-table calls (map/unmap); waited on only without the GIL
-    cdef RefillPolicy policy                    # its refill policy: made in __cinit__, never None (Note [Refill policy])
-    cdef readonly int num_table_pages           # the table's num_pages: capacity never exceeds it
-    cdef readonly int capacity_pages            # page ids [0, capacity_pages) may be handed out
-    cdef readonly int max_reserved              # returned pages beyond this many pooled ones are unmapped
-    cdef uint64_t pages_taken                   # pages handed out by take_pages / take_blocks, ever
-    cdef readonly int limit_pages               # in-use + pool never exceed it; -1 = no limit
     cdef public uintptr_t stream                # CUstream the fences of returned pages are recorded on
     cdef readonly size_t page_bytes             # physical bytes of one page id (all its segments)
-    cdef uint8_t* state                         # [page] one of _PS_*
-    cdef int32_t* weight                        # [page] blocks the page holds (1 until a BlockAllocator binds)
-    cdef bint weights_bound                     # a BlockAllocator set the weights
-    cdef int32_t* fw_count                      # Fenwick tree over page ids: 1 per free id
-    cdef int64_t* fw_weight                     # Fenwick tree over page ids: weight per free id
-    cdef int fw_top                             # highest power of two <= num_table_pages
-    cdef int num_free                           # ids in the free set
-    cdef int num_pool                           # ids in the pool
-    cdef int num_used                           # ids handed out
-    cdef int num_pending                        # ids waiting for their fence
-    cdef int num_transit                        # ids in flight under map_lock
-    cdef int refill_transit                     # of those, ids the background refill is mapping for the pool
-    cdef int64_t refill_transit_weight          # their blocks (available_weight counts them as pool)
-    cdef int64_t pool_weight                    # sum of the weights of the pool's ids
-    cdef int32_t* pool                          # the pool, a stack (top = most recently returned)
-    cdef int32_t* pend_ids                      # ring of pending ids, FIFO, batches contiguous
-    cdef int pend_head                          # index of the oldest pending id in pend_ids
-    cdef uintptr_t* batch_fence                 # ring of pending batches: the fence of each
-    cdef int32_t* batch_count                   # ring of pending batches: ids in each
-    cdef int batch_head                         # index of the oldest batch
-    cdef int num_batches                        # batches in the ring
     cdef int32_t* scratch                       # ids being unmapped; used only by the holder of map_lock
-    cdef int32_t* retry_ids                     # pending ids (no fence) whose unmap failed: unmapped again by _drain
-    cdef int num_retry                          # ids in retry_ids (also counted in num_pending)
     cdef size_t phys_snapshot                   # backend's free physical bytes when last asked
     cdef size_t phys_base                       # backend.physical_bytes at that moment
-    cdef double phys_time                       # monotonic seconds of that snapshot
-    cdef uint64_t activity                      # take/return calls (the policy's idle rule reads it)
-    cdef public object last_error               # last exception caught off the caller's path (thread, free)
     # counters, ever (stats() reports them under the same names)
     cdef uint64_t num_maps                      # page ids mapped
     cdef uint64_t num_unmaps                    # page ids unmapped
-    cdef uint64_t num_pool_hits                 # takes served from the pool alone
-    cdef uint64_t num_slow_path                 # takes that took map_lock
     cdef uint64_t num_oom                       # takes that found too little (out of memory, limit, gate)
     cdef uint64_t num_fences                    # fences recorded for pending pages
     cdef uint64_t num_refills                   # refill chunks that mapped (_map_into_pool)
     cdef uint64_t num_unmap_failures            # page unmaps the driver refused (each retried later)
     cdef uint64_t num_refill_failures           # refill chunks that could not map (out of memory, gate, error)
+
+    # each holds map_lock (the docstrings say which locks they take); besides refill.Refillable's
+    # mechanisms (_map_into_pool, _drain, _unmap_pool, _refresh_physical), defined here
+    cdef int _map_free_ids(self, int32_t* out, int np, int k, bint into_pool, int* pooled) except -1 nogil  # 0 / _OOM (settled), or raises
+    cdef int _discard_used(self, int n, int32_t* ids) except -1 nogil        # unmap pages in use nobody will hand out; raises
+    cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil   # 0, or raises past the unmap (ids settled anyway)
+    cdef int _pool_out(self, int keep, int below) except -1 nogil    # 0, or raises as _unmap_ids
+
+
+cdef class PageAllocator(PageMapper):
+    # Hands out the page ids; the data path and the Python surface over its PageMapper.
+    cdef vmm.Lifecycle life                     # live / closed / forked: Note [Fork and close]
+    cdef bint weights_bound                     # a BlockAllocator set the weights
+    cdef uint64_t num_pool_hits                 # takes served from the pool alone (stats())
 
     # the data path (callers: BlockAllocator, the manager); see each docstring for its locks
     cdef int take_pages(self, int n, int32_t* out) except -1 nogil                    # 0 / _OOM (nothing changed), or raises
@@ -128,27 +58,10 @@ cdef class PageAllocator:
     cdef int return_pages(self, int n, const int32_t* ids) except -1 nogil             # 0, or raises (the pages stay accounted for)
     cdef int return_pages_fast(self, int n, const int32_t* ids) noexcept nogil        # 0 / _NEED_SLOW (nothing changed)
     cdef int64_t available_weight(self, bint by_weight, int64_t max_new_pages) noexcept nogil   # counters only
-    # internals: `noexcept` ones are bookkeeping under `lock`; `except -1` ones may call the driver
+    # internals (and refill.Refillable's _take_pool_locked: the pool take under `lock`)
     cdef int _take(self, int64_t need, bint by_weight, int32_t* out, int* n_out) except -1 nogil   # 0 / _OOM, or raises
-    cdef int _take_pool_locked(self, int64_t need, bint by_weight, int32_t* out, int* n_out) noexcept nogil  # 0 / _NEED_SLOW
-    cdef void _push_pool(self, int n, const int32_t* ids) noexcept nogil     # ids onto the pool's top, in order
-    cdef void _unpop_pool(self, int n, const int32_t* ids) noexcept nogil    # undo taking ids off the pool's top
-    cdef void _fw_add(self, int32_t page_id, int sign) noexcept nogil        # free set: add (+1) or remove (-1) an id
-    cdef int32_t _fw_pop_lowest(self) noexcept nogil                         # remove and return the lowest free id
-    cdef int _fw_count_for_weight(self, int64_t need) noexcept nogil         # lowest free ids holding `need`; -1 not enough
-    cdef int64_t _fw_weight_of_lowest(self, int k) noexcept nogil            # weight of the k lowest free ids
-    cdef void _release_page(self, int32_t page_id) noexcept nogil            # an unmapped id back to free / outside
-    cdef void _queue_retry(self, int32_t page_id) noexcept nogil             # a still-mapped id to the unmap retries
-    cdef void _queue_pending_locked(self, int n, const int32_t* ids, uintptr_t fence) noexcept nogil  # mapped ids behind one fence
-    cdef int _settle_failed_map(self, int n, const int32_t* ids) noexcept nogil   # -> how many went back unmapped
-    cdef int _discard_used(self, int n, int32_t* ids) except -1 nogil        # unmap pages in use nobody will hand out; raises
     cdef int _check_usable(self) except -1 nogil                # 0, or raises KVCachedClosedError (closed / forked)
     cdef int _check_not_forked(self) except -1                  # 0, or raises KVCachedClosedError in a forked child
-    cdef int _drain(self, bint wait_all) except -1 nogil        # 0, or raises (what failed stays pending or retried)
-    cdef int _unmap_ids(self, int n, int32_t* ids) except -1 nogil   # 0, or raises past the unmap (ids settled anyway)
-    cdef int _pool_out(self, int keep, int below) except -1 nogil    # 0, or raises as _unmap_ids
-    cdef int _map_into_pool(self, int chunk, bint* failed) except -1 nogil   # pages pooled (0: nothing, or failed[0] set), or raises
-    cdef int _refresh_physical(self) except -1 nogil            # 0, or raises (a driver query)
     cdef int _bind_weights(self, const int32_t* weights) except -1   # 0, or raises KVCachedConfigError (busy)
 
 

@@ -1,8 +1,8 @@
-"""Types of the Python-visible surface of kvcached.core.pagealloc (Cython): PageAllocator and RefillPolicy.
+"""Types of the Python-visible surface of kvcached.core.pagealloc (Cython): PageAllocator over PageMapper.
 
 Only ``def`` methods, properties and ``readonly``/``public`` attributes are here: ``cdef`` methods
-are invisible to Python. Every class is a C extension type with its own fields (@disjoint_base:
-no class may inherit from two of them). Units: every ``*_bytes`` value is in bytes; fences and
+are invisible to Python. Every class is a C extension type with its own fields, PageAllocator
+over PageMapper over refill.Refillable (@disjoint_base there: no class may inherit from two). Units: every ``*_bytes`` value is in bytes; fences and
 streams are plain ints. Out of memory is a value (None or False), never an exception, except
 where a docstring says ``Raises OutOfDeviceMemory``.
 Keep in step with pagealloc.pxd (C interface) and pagealloc.pyx (behaviour).
@@ -13,9 +13,9 @@ from typing import Literal, SupportsIndex, TypedDict, overload
 
 import numpy as np
 from numpy.typing import NDArray
-from typing_extensions import disjoint_base
 
 from kvcached.core.pagetable import PageTable, _PageIds
+from kvcached.core.refill import Refillable
 from kvcached.core.vmm import Backend, _Lifecycle
 
 class _PageAllocatorStats(TypedDict):
@@ -52,8 +52,12 @@ class _PageAllocatorStats(TypedDict):
 
 # -- page allocator ------------------------------------------------------------------------------
 
-@disjoint_base
-class PageAllocator:
+class PageMapper(Refillable):
+    """The driver work of a PageAllocator (its one subclass): page ids mapped and unmapped through
+    transit, behind fences. Not made on its own; its fields visible to Python (backend,
+    page_bytes, stream) are listed on PageAllocator, the table and last_error on Refillable."""
+
+class PageAllocator(PageMapper):
     """Hands out mapped page ids of one PageTable, keeping a pool of mapped, unused ones."""
 
     def __init__(
@@ -66,14 +70,8 @@ class PageAllocator:
     ) -> None:
         """num_pages: initial capacity (default the table's); pool bounds in pages; idle_trim_s: seconds, 0 off."""
     @property
-    def table(self) -> PageTable:
-        """The page table whose ids are handed out."""
-    @property
     def backend(self) -> Backend:
         """The table's backend."""
-    @property
-    def num_table_pages(self) -> int:
-        """The table's num_pages: capacity never exceeds it."""
     @property
     def capacity_pages(self) -> int:
         """Page ids [0, capacity_pages) may be handed out."""
@@ -100,8 +98,6 @@ class PageAllocator:
         """Whether the background thread runs (no docstring in the source)."""
     stream: int
     """CUstream (as int) the fences of returned pages are recorded on."""
-    last_error: BaseException | None
-    """Last exception caught off the caller's path (background thread, returning pages after a free), or None."""
     @property
     def lifecycle(self) -> _Lifecycle:
         """"closed" after close(), "forked" in a forked child: then methods raise KVCachedClosedError."""
@@ -142,16 +138,4 @@ class PageAllocator:
     def page_states(self) -> NDArray[np.uint8]:
         """Copy of every page id's state: 0 outside, 1 free, 2 pool, 3 used, 4 pending, 5 transit."""
     def check_invariants(self) -> Literal[True]:
-        """O(pages) consistency check; raises AssertionError naming the first broken invariant."""
-
-# -- refill policy -------------------------------------------------------------------------------
-
-@disjoint_base
-class RefillPolicy:
-    """A PageAllocator's refill policy: its background thread, refill target, idle trim, budget gate.
-
-    Made by its PageAllocator and used only through it (start, stop, set_idle_trim,
-    set_pool_bounds, set_budget_gate, stats); see Note [Refill policy] in pagealloc.pyx."""
-
-    def _run(self, pa: PageAllocator) -> None:
-        """The background thread's loop for `pa` (the Thread's target); returns once stopped."""
+        """O(pages log pages): each page set's own check, then the states across them; raises AssertionError naming the first broken invariant."""
