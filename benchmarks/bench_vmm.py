@@ -145,7 +145,7 @@ def bench_page_tables(b, page: int, layers_list, n_for) -> list[dict]:
             n = n_for(layout, layers)
             for cache in ("warm", "cold"):
                 b.release_cached()
-                b.set_handle_cache_capacity(min(256, 2 * layers) if cache == "warm" else 0)
+                b.set_handle_cache_capacity(min(core.MAX_HANDLE_CACHE_SIZE, 2 * layers) if cache == "warm" else 0)
                 assert pt.map([0]) and pt.map([3])          # neighbours mapped, as in a live cache
                 pt.unmap([0])                              # warm: the handles of one page id cached
                 t = Timer("map", "unmap")
@@ -160,7 +160,7 @@ def bench_page_tables(b, page: int, layers_list, n_for) -> list[dict]:
                 finally:
                     loud()
                 creates = b.stats()["num_creates"] - creates0
-                pt.close()
+                pt.unmap(pt.mapped_page_ids())         # the next cache setting starts from nothing mapped
                 b.release_cached()
                 rows.append({
                     "layout": layout,
@@ -173,6 +173,7 @@ def bench_page_tables(b, page: int, layers_list, n_for) -> list[dict]:
                     "unmap": summary(t.samples["unmap"]),
                     "creates_per_map": round(creates / n, 2),
                 })
+            pt.close()
             del pt, ranges
             gc.collect()
     b.set_handle_cache_capacity(core.DEFAULT_HANDLE_CACHE_SIZE)
