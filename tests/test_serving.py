@@ -315,6 +315,7 @@ def test_attention_outside_the_loop_is_refused():
 
 # -- the benchmark's quick run -----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_serve_quick_runs():
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
     env["PYTHONPATH"] = str(ROOT)

@@ -206,6 +206,7 @@ def test_tp2_geometry_mismatch_names_the_rank(ranks):
     assert "rank 1" in ranks(2).run("mismatch", LAYOUT="interleaved", TP_TIMEOUT_S=30)["error"]
 
 
+@pytest.mark.slow
 def test_tp2_rank_without_its_kv_tensors_is_named(ranks):
     """Rank 1 never calls alloc_kv_cache: it answers rank 0's registration with an error once its
     own wait (KVCACHED_TP_TIMEOUT_S) ends, and rank 0 waits for that answer, so its
@@ -222,7 +223,8 @@ def test_tp2_instances_in_turn_over_one_tp_group(ranks):
                         MAX_RESERVED_PAGES=0, TP_TIMEOUT_S=30)["rounds"] > 0
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+@pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGSTOP, marks=pytest.mark.slow)],
+                         ids=["killed", "stopped"])
 def test_tp2_dead_rank_raises_within_the_timeout(tmp_path, how):
     """A follower SIGKILLed (its sockets close) or SIGSTOPped (it never answers): rank 0's next
     map raises KVCachedTPError naming rank 1, by the timeout, and nothing hangs."""
@@ -243,6 +245,7 @@ def test_tp2_dead_rank_raises_within_the_timeout(tmp_path, how):
     assert result["elapsed_s"] < timeout_s + 60 and result["later_s"] < 60, result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_tp2_follower_outlives_a_killed_scheduling_rank(tmp_path, device):
     """Rank 0 SIGKILLed: rank 1's service ends with the lost connection at once (no timeout to
@@ -257,12 +260,14 @@ def test_tp2_follower_outlives_a_killed_scheduling_rank(tmp_path, device):
         assert ranks.close()[1] == 0, "".join(ranks.output[1])
 
 
+@pytest.mark.slow
 def test_tp4(ranks):
     """Four ranks; rank 3 runs out of memory first."""
     assert ranks(4).run("oom", {"small_rank": 3, "small_pages": 2}, LAYOUT="interleaved", MIN_RESERVED_PAGES=0,
                         MAX_RESERVED_PAGES=0)["pages"] == 2
 
 
+@pytest.mark.slow
 def test_tp4_pool_on(ranks):
     ranks(4).run("basic", LAYOUT="per_layer", MIN_RESERVED_PAGES=1, MAX_RESERVED_PAGES=4)
 
