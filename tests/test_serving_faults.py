@@ -196,6 +196,7 @@ def test_failed_steps_over_kvcached_memory_are_redone(elastic, point):
     assert cache.manager.stats()["allocated"] == 0
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 1 << 16), family=st.sampled_from(FAMILIES))
 def test_keyboard_interrupts_in_run_until_done_lose_nothing(data, seed, family):
