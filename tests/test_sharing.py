@@ -207,6 +207,7 @@ def test_eight_managers_never_map_more_than_the_budget(managers, budget_name):
     assert (snap.held_bytes, snap.holders) == (0, ())
 
 
+@pytest.mark.slow
 def test_sigkilled_manager_is_found_dead_and_its_share_recovered(managers, budget_name):
     """A manager holding most of the budget is SIGKILLed while the others churn: kvctl shows it
     dead, kvctl gc removes its segment and recovers its share, and the others go on and can

@@ -223,8 +223,8 @@ def test_tp2_instances_in_turn_over_one_tp_group(ranks):
                         MAX_RESERVED_PAGES=0, TP_TIMEOUT_S=30)["rounds"] > 0
 
 
-@pytest.mark.parametrize("how", [signal.SIGKILL, pytest.param(signal.SIGSTOP, marks=pytest.mark.slow)],
-                         ids=["killed", "stopped"])
+@pytest.mark.slow
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_tp2_dead_rank_raises_within_the_timeout(tmp_path, how):
     """A follower SIGKILLed (its sockets close) or SIGSTOPped (it never answers): rank 0's next
     map raises KVCachedTPError naming rank 1, by the timeout, and nothing hangs."""
