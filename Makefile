@@ -12,7 +12,7 @@ VENV ?= .venv
 TORCH_CPU ?= torch==2.13.0
 # Extra pip options for the CPU wheel, e.g. --index-url https://download.pytorch.org/whl/cpu
 TORCH_PIP_OPTIONS ?=
-# Extra pytest options, e.g. ARGS="-n 2" or ARGS="tests/test_tp.py"
+# Extra options: for pytest (ARGS="-x -k budget"), for the demo (ARGS=--quick)
 ARGS ?=
 
 PY := $(VENV)/bin/python
