@@ -130,13 +130,19 @@ class Ranks:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """ranks(world): the module's rank processes of that world size, started on first use and
-    again after a job broke them."""
+    again after a job broke them (a rank that ended between jobs fails the next test)."""
     worlds: dict[int, Ranks] = {}
 
     def get(world: int) -> Ranks:
-        if world not in worlds or worlds[world].broken:
-            if world in worlds:
-                worlds[world].kill()
+        ranks = worlds.get(world)
+        if ranks is not None and not ranks.broken:
+            ended = [rank for rank, proc in enumerate(ranks.procs) if proc.poll() is not None]
+            if ended:
+                ranks.broken = True
+                pytest.fail(f"rank {ended[0]} of {world} ended between jobs:\n{''.join(ranks.output[ended[0]])}")
+        if ranks is None or ranks.broken:
+            if ranks is not None:
+                ranks.kill()
             worlds[world] = Ranks(tmp_path_factory.mktemp(f"tp{world}"), world)
         return worlds[world]
 
