@@ -14,9 +14,11 @@ from bench_alloc import cycle, threads_ops
 from bench_manager import LAYOUTS, Instance, driver_floor
 
 NUM_BLOCKS = 4096
+# The fast lane (-m "not slow") runs the first layout only: each instance maps 32 layers.
+FAST_LAYOUTS = [LAYOUTS[0], *(pytest.param(layout, marks=pytest.mark.slow) for layout in LAYOUTS[1:])]
 
 
-@pytest.fixture(params=LAYOUTS)
+@pytest.fixture(params=FAST_LAYOUTS)
 def pooled(request, bench_device):
     inst = Instance(bench_device, request.param, num_blocks=NUM_BLOCKS)
     inst.warm_pool()
@@ -24,7 +26,7 @@ def pooled(request, bench_device):
     inst.close()
 
 
-@pytest.fixture(params=LAYOUTS)
+@pytest.fixture(params=FAST_LAYOUTS)
 def unpooled(request, bench_device):
     inst = Instance(bench_device, request.param, pool=(0, 0), num_blocks=NUM_BLOCKS)
     yield inst

@@ -1,12 +1,15 @@
 """The ranks of a tensor-parallel kvcached instance, as real processes, for tests/test_tp.py.
 
-Run as ``python tests/_tp_procs.py SCENARIO RANK WORLD WORKDIR CONFIG_JSON`` (PYTHONPATH = the
-repository root, KVCACHED_* in the environment). Every rank joins a gloo world through a file
-store in WORKDIR, initialises kvcached with tp_rank=RANK on the host backend and makes the KV
-tensors; rank 0 then runs the scenario (its assertions fail the process) and writes
-``result.json``; the other ranks serve until rank 0 shuts down (CONFIG may ask for several instances
-in turn over one gloo group of their own, passed as tp_group). Files in WORKDIR are the events
-the test and the ranks wait on (``ready``, ``go``), with generous deadlines.
+Run as ``python tests/_tp_procs.py RANK WORLD WORKDIR`` (PYTHONPATH = the repository root). Every
+rank joins a gloo world through a file store in WORKDIR once, then runs jobs in turn, one JSON
+line each on stdin: ``{"scenario", "cfg", "env", "workdir"}``. For a job, a rank sets KVCACHED_*
+to ``env``, initialises kvcached with tp_rank=RANK on the host backend and makes the KV tensors;
+rank 0 runs the scenario (its assertions fail the process) while the other ranks serve until
+rank 0 shuts down (``cfg`` may ask for several instances in turn over one gloo group of their
+own, passed as tp_group). Each rank answers a job with one line, REPLY and rank 0's result as
+JSON; a failed job ends the process with its traceback. Files in the job's workdir are the
+events the test and the ranks wait on (``ready``, ``go``), with generous deadlines. See Note
+[One world, many instances].
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.distributed as dist
 
 from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached, shutdown_kvcached
 from kvcached import runtime as kv_runtime
+from kvcached.config import reload_settings
 from kvcached.errors import KVCachedConfigError, KVCachedTPError
 
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
@@ -87,7 +91,7 @@ def alloc_pages(m: KVCacheManager, pages: int) -> list[int] | None:
     return m.alloc(pages * BLOCKS_PER_PAGE)
 
 
-# -- scenarios on rank 0 (each returns what goes into result.json) -------------------------------
+# -- scenarios on rank 0 (each returns the result of its job) ------------------------------------
 
 def basic(cfg: dict, workdir: str) -> dict:
     """Alloc and free map and unmap on every rank; the pool's fast path sends nothing from the
@@ -404,20 +408,39 @@ SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, ins
 REFUSED = {"mismatch": "num_pages", "unregistered": "alloc_kv_cache"}
 
 
+# The line that ends a rank's answer to a job; rank 0's result follows it as JSON.
+REPLY = "tp-rank-reply: "
+
+
 def main() -> None:
-    scenario, rank, world, workdir = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    cfg = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
-    configure(2 << 20 if cfg.get("device") == "cuda" else 16 << 10)
+    rank, world, workdir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(workdir, 'store')}", rank=rank,
                             world_size=world)
-    tp_group = dist.new_group(backend="gloo") if cfg.get("tp_group") else None
-    for _ in range(cfg.get("instances", 1)):
-        run_instance(scenario, rank, world, workdir, cfg, tp_group)
+    for line in sys.stdin:
+        job = json.loads(line)
+        result = run_job(job["scenario"], rank, world, job["workdir"], job["cfg"], job["env"])
+        print(REPLY + json.dumps(result), flush=True)
     dist.destroy_process_group()
 
 
-def run_instance(scenario: str, rank: int, world: int, workdir: str, cfg: dict, tp_group) -> None:
-    """One kvcached instance on this rank, from init_kvcached to shutdown_kvcached."""
+def run_job(scenario: str, rank: int, world: int, workdir: str, cfg: dict, env: dict[str, str]) -> dict | None:
+    """One job: KVCACHED_* set to `env` alone, then `cfg["instances"]` instances in turn; rank 0's
+    result (None on the other ranks)."""
+    for name in [n for n in os.environ if n.startswith("KVCACHED_")]:
+        del os.environ[name]
+    os.environ.update(env)
+    reload_settings()
+    configure(2 << 20 if cfg.get("device") == "cuda" else 16 << 10)
+    tp_group = dist.new_group(backend="gloo") if cfg.get("tp_group") else None
+    result = None
+    for _ in range(cfg.get("instances", 1)):
+        result = run_instance(scenario, rank, world, workdir, cfg, tp_group)
+    return result
+
+
+def run_instance(scenario: str, rank: int, world: int, workdir: str, cfg: dict, tp_group) -> dict | None:
+    """One kvcached instance on this rank, from init_kvcached to shutdown_kvcached; rank 0's
+    result."""
     cuda = cfg.get("device") == "cuda"
     device = ("cuda:0" if cfg.get("one_gpu") else f"cuda:{rank}") if cuda else "cpu"
     small = cfg.get("small_rank") == rank       # host backend: room for small_pages page ids
@@ -463,9 +486,20 @@ def run_instance(scenario: str, rank: int, world: int, workdir: str, cfg: dict, 
         if result is None:
             result = SCENARIOS[scenario](cfg, workdir)
         shutdown_kvcached()
-        with open(os.path.join(workdir, "result.json"), "w") as f:
-            json.dump(result, f)
+    return result
 
 
 if __name__ == "__main__":
     main()
+
+
+# Note [One world, many instances]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A rank process spends most of its life importing torch (seconds on a loaded 2-core machine),
+# against a fraction of a second for a scenario. So the ranks join their gloo world once and run
+# the scenarios of a test module in turn, each one a kvcached instance from init_kvcached to
+# shutdown_kvcached with the settings of its test: this is what an engine that restarts kvcached
+# inside one torch.distributed world does, and every instance makes its own gloo group for its
+# messages (or is given one), so none sees an earlier one's traffic. A scenario that kills or
+# stops a rank, or one that fails, leaves a world that cannot be used again: the test side starts
+# fresh processes for the first, and after the second.

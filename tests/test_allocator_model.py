@@ -267,15 +267,15 @@ class BackgroundMachine(AllocatorMachine):
     BACKGROUND = True
 
 
-TestDividing = DividingMachine.TestCase
+TestDividing = pytest.mark.slow(DividingMachine.TestCase)
 TestDividing.settings = SETTINGS
-TestStraddling = StraddlingMachine.TestCase
+TestStraddling = pytest.mark.slow(StraddlingMachine.TestCase)
 TestStraddling.settings = SETTINGS
-TestSmallBlocks = SmallBlockMachine.TestCase
+TestSmallBlocks = pytest.mark.slow(SmallBlockMachine.TestCase)
 TestSmallBlocks.settings = SETTINGS
-TestSparse = SparseMachine.TestCase
+TestSparse = pytest.mark.slow(SparseMachine.TestCase)
 TestSparse.settings = SETTINGS
-TestZeroPageBudget = ZeroPageBudgetMachine.TestCase
+TestZeroPageBudget = pytest.mark.slow(ZeroPageBudgetMachine.TestCase)
 TestZeroPageBudget.settings = SETTINGS
 TestBackground = BackgroundMachine.TestCase
 TestBackground.settings = settings(SETTINGS, max_examples=60)

@@ -1,5 +1,8 @@
 """``python -m kvcached.demo`` end to end: two real instance processes serving tiny models under a
-real global budget, as a new user runs it (``--quick``, host backend)."""
+real global budget, as a new user runs it (host backend). The fast lane runs it once with phases
+of 1 s (what it writes, says and leaves behind); the slow tests run ``--quick`` (memory following
+the load) and ``--hold``. Starting the instances (torch, transformers, two models) takes most of
+a run."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from kvcached.demo.run import TokenRates
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": REPO}
 DEMO_TIMEOUT_S = 300            # two model builds and 10 s of phases on a loaded 2-core machine
+SHORT_PHASE_S = 1.0             # the demo's shortest phases (--phase-seconds)
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # The live view's line per instance (stdout is not a terminal): tokens so far and tokens/s.
@@ -29,11 +33,11 @@ VIEW_ROW = re.compile(r"(\w+): [0-9.]+ MiB mapped, \d+ running, \d+ waiting, \d+
                       r"\((\d+) tok/s\)")
 VIEW_TIME = re.compile(r"^\[\s*([0-9.]+) s\] ")
 
-pytestmark = pytest.mark.slow
-
 
 def _demo(out, *args: str) -> list[str]:
-    return [sys.executable, "-m", "kvcached.demo", "--quick", "--device", "cpu", "--out", str(out), *args]
+    """The demo on the host backend, --quick unless `args` sets the phases."""
+    quick = [] if "--phase-seconds" in args else ["--quick"]
+    return [sys.executable, "-m", "kvcached.demo", *quick, "--device", "cpu", "--out", str(out), *args]
 
 
 def _phase_values(record: dict, phase: int, instance: int, field: str = "mapped_bytes") -> list[int]:
@@ -48,23 +52,34 @@ def _leftovers(record: dict) -> list[str]:
     return [p for p in paths if os.path.exists(p)]
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def _run_demo(tmp_path_factory, *args: str):
     """One run of the demo with ``--out memory`` (no .png: the PNG is memory.png): (completed
     process, record read from the JSON beside the PNG, the PNG's path)."""
     tmp_path = tmp_path_factory.mktemp("demo")
-    done = subprocess.run(_demo(tmp_path / "memory"), check=False, cwd=tmp_path, env=ENV, capture_output=True,
-                          text=True, timeout=DEMO_TIMEOUT_S)
+    done = subprocess.run(_demo(tmp_path / "memory", *args), check=False, cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=DEMO_TIMEOUT_S)
     assert done.returncode == 0, done.stdout + done.stderr
     with open(tmp_path / "memory.json") as f:
         record = json.load(f)
     return done, record, tmp_path / "memory.png"
 
 
-def test_the_demo_writes_a_png_and_says_where(quick_run):
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """A run with the shortest phases: what the demo writes, prints and leaves behind."""
+    return _run_demo(tmp_path_factory, "--phase-seconds", str(SHORT_PHASE_S))
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    """A ``--quick`` run: phases long enough for the memory to follow the load."""
+    return _run_demo(tmp_path_factory)
+
+
+def test_the_demo_writes_a_png_and_says_where(short_run):
     from PIL import Image
 
-    done, _, png = quick_run
+    done, _, png = short_run
     with open(png, "rb") as f:
         assert f.read(8) == PNG_SIGNATURE
     with Image.open(png) as image:
@@ -75,8 +90,8 @@ def test_the_demo_writes_a_png_and_says_where(quick_run):
     assert not png.with_suffix("").exists()
 
 
-def test_the_output_reports_both_instances_serving(quick_run):
-    done, record, _ = quick_run
+def test_the_output_reports_both_instances_serving(short_run):
+    done, record, _ = short_run
     names = [i["name"] for i in record["instances"]]
     assert names == ["llama", "qwen2"]
     final = record["samples"][-1]["instances"]
@@ -85,12 +100,13 @@ def test_the_output_reports_both_instances_serving(quick_run):
         assert last["generated_tokens"] > 0
     for name in names:                       # the live view's lines (stdout is not a terminal)
         assert any(name in line and "tok/s" in line and "preempted" in line for line in done.stdout.splitlines())
-    # The budget binds: some request somewhere was preempted for lack of memory.
-    assert sum(last["preemptions"] for last in final) > 0
 
 
+@pytest.mark.slow
 def test_memory_follows_the_load_under_the_budget(quick_run):
     _, record, _ = quick_run
+    # The budget binds: some request somewhere was preempted for lack of memory.
+    assert sum(last["preemptions"] for last in record["samples"][-1]["instances"]) > 0
     budget = record["budget"]["bytes"]
     held = [s["held_bytes"] for s in record["samples"]]
     assert max(held) <= budget                # the budget is never exceeded ...
@@ -108,8 +124,8 @@ def test_memory_follows_the_load_under_the_budget(quick_run):
     assert max(_phase_values(record, 2, qwen2)) >= 0.6 * budget
 
 
-def test_the_demo_leaves_nothing_behind(quick_run):
-    _, record, _ = quick_run
+def test_the_demo_leaves_nothing_behind(short_run):
+    _, record, _ = short_run
     assert _leftovers(record) == []
     for instance in record["instances"]:
         assert not os.path.exists(f"/proc/{instance['pid']}") or _zombie_or_other(instance["pid"])
@@ -197,6 +213,7 @@ def _check_rates(name: str, rows: list[tuple[float, int, int]]) -> None:
     assert made > 0 and 0.6 * made <= shown <= 1.5 * made, (name, shown, made, rows)
 
 
+@pytest.mark.slow
 def test_hold_keeps_the_instances_until_ctrl_c(tmp_path):
     """Two runs of the phases while holding, with ``--out`` naming a directory (the PNG goes
     inside it): the instances serve on, the tokens/s shown agree with the tokens made across the

@@ -213,6 +213,7 @@ def geometries(draw):
     return name, shape_kind, kv_layout, num_layers, dtype, block_size, heads, head_dim, page_bytes, num_blocks
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(geometries(), st.integers(0, 2**32 - 1))
 def test_layout_roundtrip_random(geometry, seed):

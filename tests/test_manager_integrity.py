@@ -88,7 +88,7 @@ def check_live(m, kv, shape_kind: str, buffers: int, live: list) -> None:
 
 
 @pytest.mark.parametrize("shape_kind", SHAPE_KINDS)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS[:2], pytest.param(LAYOUTS[2], marks=pytest.mark.slow)])
 def test_churn_keeps_every_live_block(kv_env, layout, shape_kind):
     m, kv, buffers = setup(kv_env, layout, shape_kind)
     rng = random.Random(f"{layout}/{shape_kind}")

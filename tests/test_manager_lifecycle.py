@@ -220,7 +220,8 @@ def run_role(role: str, env: dict, timeout_s: float = 120) -> subprocess.Complet
                           timeout=timeout_s)
 
 
-@pytest.mark.parametrize("sharing", ["none", "tracker", "budget"])
+@pytest.mark.parametrize("sharing", ["none", pytest.param("tracker", marks=pytest.mark.slow),
+                                     pytest.param("budget", marks=pytest.mark.slow)])
 def test_forked_child_leaves_the_parent_cache_alone(sharing, budget_name):
     """A child forked while another thread holds the runtime lock: every manager call raises,
     shutdown_kvcached() neither hangs nor touches the parent, the child can start its own

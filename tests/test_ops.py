@@ -145,6 +145,7 @@ def make_plain_batch(case: dict, dtype=torch.float32, device="cpu", spare_blocks
 
 # -- attention on plain caches -------------------------------------------------------------------
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches())
 def test_paged_attention_matches_sdpa(case):
@@ -230,6 +231,7 @@ def test_minus_one_padding_outside_the_read_columns(case):
         assert_close(out, batch.expected(case["window"]), 1e-5)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches(), st.data())
 def test_bad_block_id_in_the_read_columns_is_refused(case, data):

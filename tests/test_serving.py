@@ -185,6 +185,7 @@ def test_limit_drop_preempts_and_loses_nothing(elastic, family, layout):
     assert cache.manager.get_mapped_memory_size() <= 3 * cache.manager.page_bytes
 
 
+@pytest.mark.slow
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 1 << 16), layout=st.sampled_from(LAYOUTS), family=st.sampled_from(FAMILIES),
        drop_at=st.integers(1, 12), limit_pages=st.integers(3, 6), restore_after=st.integers(1, 40))
@@ -315,6 +316,7 @@ def test_attention_outside_the_loop_is_refused():
 
 # -- the benchmark's quick run -----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bench_serve_quick_runs():
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
     env["PYTHONPATH"] = str(ROOT)

@@ -149,6 +149,7 @@ def draw_faults(data, model, num_calls: int, max_size: int) -> list[tuple[int, s
 
 # -- a step that raises is redone, with the same tokens -----------------------------------------
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 1 << 16), family=st.sampled_from(FAMILIES),
        max_batch_tokens=st.integers(4, 24), error=st.sampled_from(ERRORS))
@@ -195,6 +196,7 @@ def test_failed_steps_over_kvcached_memory_are_redone(elastic, point):
     assert cache.manager.stats()["allocated"] == 0
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 1 << 16), family=st.sampled_from(FAMILIES))
 def test_keyboard_interrupts_in_run_until_done_lose_nothing(data, seed, family):

@@ -158,6 +158,7 @@ def held_by_pid(snap: kb.BudgetSnapshot) -> dict[int, int]:
     return {h.pid: h.held_bytes for h in snap.holders}
 
 
+@pytest.mark.slow
 def test_eight_managers_never_map_more_than_the_budget(managers, budget_name):
     """8 processes allocate and free for ~3 s under a budget of 3/8 of what they could map;
     a sampler checks every instance's mapped memory against its share and the sum against the
@@ -206,6 +207,7 @@ def test_eight_managers_never_map_more_than_the_budget(managers, budget_name):
     assert (snap.held_bytes, snap.holders) == (0, ())
 
 
+@pytest.mark.slow
 def test_sigkilled_manager_is_found_dead_and_its_share_recovered(managers, budget_name):
     """A manager holding most of the budget is SIGKILLed while the others churn: kvctl shows it
     dead, kvctl gc removes its segment and recovers its share, and the others go on and can

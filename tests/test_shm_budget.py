@@ -193,6 +193,7 @@ def test_delete_refused_while_in_use(name):
         read_budget(name)
 
 
+@pytest.mark.slow
 def test_eight_processes_never_exceed_the_budget(name):
     """8 processes acquire and release random amounts for ~2 s; one is SIGKILLed midway.
 
@@ -361,6 +362,7 @@ def _heartbeat_age_s(name: str, pid: int) -> float:
     return (time.time_ns() - holder.heartbeat_ns) / 1e9
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _can_unshare(), reason="no unprivileged user and pid namespaces here")
 def test_foreign_holder_is_reclaimed_only_once_its_heartbeat_stops(name):
     """A holder in another pid namespace (another container): kept while it beats, reclaimed once

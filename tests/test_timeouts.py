@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -14,6 +16,7 @@ def test_every_test_has_a_timeout(pytestconfig):
     assert float(pytestconfig.getini("timeout")) > 0, "pyproject.toml sets no per-test timeout"
 
 
+@pytest.mark.slow
 def test_a_hanging_test_fails_alone_with_a_traceback(tmp_path):
     (tmp_path / "test_hang.py").write_text(textwrap.dedent("""
         import threading
