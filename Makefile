@@ -16,8 +16,10 @@ TORCH_PIP_OPTIONS ?=
 ARGS ?=
 
 PY := $(VENV)/bin/python
-# Remade when setup.py or pyproject.toml is newer: the editable install (and the build) again.
+# Remade when setup.py, pyproject.toml or a source of the compiled core is newer: the editable
+# install (and the build) again.
 INSTALLED := $(VENV)/.kvcached-installed
+CORE_SOURCES := $(wildcard kvcached/core/*.pyx kvcached/core/*.pxd)
 HAS_GPU := $(shell (nvidia-smi -L >/dev/null 2>&1 || test -e /dev/nvidia0) && echo yes)
 
 .PHONY: demo test test-fast
@@ -50,6 +52,6 @@ $(VENV)/.torch: | $(PY)
 	fi
 	touch $@
 
-$(INSTALLED): setup.py pyproject.toml $(VENV)/.torch
+$(INSTALLED): setup.py pyproject.toml $(CORE_SOURCES) $(VENV)/.torch
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
