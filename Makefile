@@ -31,8 +31,9 @@ demo: $(INSTALLED)
 test: $(INSTALLED)
 	$(PY) -m pytest tests benchmarks --benchmark-disable -q $(ARGS)
 
+# The fast lane: the tests not marked slow, on two workers (pytest-xdist).
 test-fast: $(INSTALLED)
-	$(PY) -m pytest tests benchmarks --benchmark-disable -q -m "not slow" $(ARGS)
+	$(PY) -m pytest tests benchmarks --benchmark-disable -q -m "not slow" -n 2 $(ARGS)
 
 $(PY):
 	$(PYTHON) -m venv $(if $(HAS_GPU),--system-site-packages) $(VENV)
