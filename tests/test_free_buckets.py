@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvcached.core.freebuckets import PageBuckets
+from kvcached.core._probes import PageBuckets
 
 
 def model_at_least(filed: dict[int, int], count: int) -> int:

@@ -29,7 +29,7 @@ LAYERS = (
     {"core.refill"},                                # the pool's refill policy, below the allocator it drives
     {"core.pagealloc"},
     {"core.freebuckets", "core.blockargs"},         # the block allocator's parts
-    {"core.blockalloc"},
+    {"core.blockalloc", "core._probes"},             # _probes: test hooks over the parts below
     {"core", "shm"},                                # core: the compiled core's facade; shm: segments, budgets, the poller
     {"layout", "tp"},                               # tp: the page-table mirror of tensor parallelism
     {"kv_cache_manager"},
@@ -139,7 +139,7 @@ def test_the_parser_sees_known_edges():
     {"core.vmm"},
     {"core.pagetable"},
     {"core.pagealloc"},
-    {"core.blockalloc"},
+    {"core.blockalloc", "core._probes"},             # _probes: test hooks over the parts below
     {"core", "shm"},                                # core: the compiled core's facade; shm: segments, budgets, the poller
 
 

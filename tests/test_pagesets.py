@@ -1,6 +1,6 @@
 """The page allocator's three sets (kvcached.core.pagesets), each on its own: random operations
 against a plain Python model with the set's check after every step, and each check shown to
-fail on a corrupted field. The sets are held in numpy arrays through the module's test hooks;
+fail on a corrupted field. The sets are held in numpy arrays through the test hooks of kvcached.core._probes;
 the ledger's check across them is shown to pass a consistent ledger and fail on each invariant."""
 
 import random
@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from kvcached.core import pagesets
+from kvcached.core import _probes as probes
 
 
 def random_set(rng: random.Random, sizes: list[int], lowest_weight: int) -> tuple[int, list[int]]:
@@ -25,56 +25,56 @@ def spare_id(rng: random.Random, size: int, taken) -> int:
 def test_free_set_random_against_a_model(seed):
     rng = random.Random(seed)
     size, weight = random_set(rng, [1, 7, 64, 100], lowest_weight=1)
-    fs = pagesets.new_free_set(weight)
+    fs = probes.new_free_set(weight)
     model: set[int] = set()
     for _ in range(400):
         op = rng.choice(["add", "remove", "pop_lowest", "query"])
         if op == "add" and len(model) < size:
             p = spare_id(rng, size, model)
-            pagesets.free_set_step(fs, "add", p)
+            probes.free_set_step(fs, "add", p)
             model.add(p)
         elif op == "remove" and model:
             p = rng.choice(sorted(model))
-            pagesets.free_set_step(fs, "remove", p)
+            probes.free_set_step(fs, "remove", p)
             model.discard(p)
         elif op == "pop_lowest" and model:
-            assert pagesets.free_set_step(fs, "pop_lowest") == min(model)
+            assert probes.free_set_step(fs, "pop_lowest") == min(model)
             model.discard(min(model))
         else:
             lowest = sorted(model)
             k = rng.randint(0, len(lowest))
-            assert pagesets.free_set_step(fs, "weight_of_lowest", k) == sum(weight[p] for p in lowest[:k])
+            assert probes.free_set_step(fs, "weight_of_lowest", k) == sum(weight[p] for p in lowest[:k])
             need = rng.randint(1, sum(weight) + 1)
             prefix = np.cumsum([weight[p] for p in lowest])
             want = int(np.searchsorted(prefix, need)) + 1 if lowest and prefix[-1] >= need else -1
-            assert pagesets.free_set_step(fs, "count_for_weight", need) == want
-        pagesets.free_set_step(fs, "check")
+            assert probes.free_set_step(fs, "count_for_weight", need) == want
+        probes.free_set_step(fs, "check")
         assert fs["num"] == len(model)
-        assert np.flatnonzero(pagesets.free_set_step(fs, "members")).tolist() == sorted(model)
+        assert np.flatnonzero(probes.free_set_step(fs, "members")).tolist() == sorted(model)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_pool_random_against_a_model(seed):
     rng = random.Random(seed)
     size, weight = random_set(rng, [1, 10, 50], lowest_weight=0)
-    pool = pagesets.new_pool(weight)
+    pool = probes.new_pool(weight)
     model: list[int] = []
     for _ in range(300):
         op = rng.choice(["push", "push", "pop", "drop"])
         if op == "push" and len(model) < size:
             p = spare_id(rng, size, model)
-            pagesets.pool_step(pool, "push", p)
+            probes.pool_step(pool, "push", p)
             model.append(p)
         elif op == "pop" and model:
-            assert pagesets.pool_step(pool, "pop") == model.pop()
+            assert probes.pool_step(pool, "pop") == model.pop()
         elif op == "drop":
             below, keep = rng.randint(0, size), rng.randint(0, size)
             above = [p for p in model if p >= below]
             model = [p for p in model if p < below]
             top = model[keep:][::-1]
             model = model[:keep]
-            assert pagesets.pool_step(pool, "drop", below, keep) == above + top
-        pagesets.pool_step(pool, "check")
+            assert probes.pool_step(pool, "drop", below, keep) == above + top
+        probes.pool_step(pool, "check")
         assert pool["ids"][:pool["num"]].tolist() == model
         assert pool["weight_sum"] == sum(weight[p] for p in model)
 
@@ -83,7 +83,7 @@ def test_pool_random_against_a_model(seed):
 def test_pending_ring_random_against_a_model(seed):
     rng = random.Random(seed)
     size = rng.choice([1, 8, 40])
-    ring = pagesets.new_pending_ring(size)
+    ring = probes.new_pending_ring(size)
     batches: list[tuple[int, list[int]]] = []
     retries: list[int] = []
     fence = 0
@@ -94,27 +94,27 @@ def test_pending_ring_random_against_a_model(seed):
         if op == "push" and spare:
             ids = rng.sample(spare, rng.randint(1, len(spare)))
             fence += 1
-            pagesets.pending_step(ring, "push", ids, fence)
+            probes.pending_step(ring, "push", ids, fence)
             batches.append((fence, ids))
         elif op == "pop" and batches:
-            assert pagesets.pending_step(ring, "pop") == batches.pop(0)
+            assert probes.pending_step(ring, "pop") == batches.pop(0)
         elif op == "retry" and spare:
             ids = rng.sample(spare, rng.randint(1, len(spare)))
-            pagesets.pending_step(ring, "retry", ids)
+            probes.pending_step(ring, "retry", ids)
             retries += ids
         elif op == "take_retries":
-            assert pagesets.pending_step(ring, "take_retries") == retries
+            assert probes.pending_step(ring, "take_retries") == retries
             retries = []
-        pagesets.pending_step(ring, "check")
-        assert pagesets.pending_step(ring, "copy") == [p for _, ids in batches for p in ids] + retries
+        probes.pending_step(ring, "check")
+        assert probes.pending_step(ring, "copy") == [p for _, ids in batches for p in ids] + retries
         assert ring["num_batches"] == len(batches)
 
 
 def filled_free_set():
-    fs = pagesets.new_free_set([3, 1, 4, 1, 5, 9, 2, 6])
+    fs = probes.new_free_set([3, 1, 4, 1, 5, 9, 2, 6])
     for p in (1, 2, 5, 6):
-        pagesets.free_set_step(fs, "add", p)
-    pagesets.free_set_step(fs, "check")
+        probes.free_set_step(fs, "add", p)
+    probes.free_set_step(fs, "check")
     return fs
 
 
@@ -127,7 +127,7 @@ def test_free_set_check_fails_on_a_corrupted_field(corrupt, message):
     fs = filled_free_set()
     corrupt(fs)
     with pytest.raises(AssertionError, match=message):
-        pagesets.free_set_step(fs, "check")
+        probes.free_set_step(fs, "check")
 
 
 @pytest.mark.parametrize("corrupt, message", [
@@ -137,13 +137,13 @@ def test_free_set_check_fails_on_a_corrupted_field(corrupt, message):
     (lambda pool: pool.__setitem__("num", 11), "11 ids, outside"),
 ])
 def test_pool_check_fails_on_a_corrupted_field(corrupt, message):
-    pool = pagesets.new_pool([1, 2, 3, 4, 5, 0, 0, 0, 0, 0])
+    pool = probes.new_pool([1, 2, 3, 4, 5, 0, 0, 0, 0, 0])
     for p in (4, 0, 2):
-        pagesets.pool_step(pool, "push", p)
-    pagesets.pool_step(pool, "check")
+        probes.pool_step(pool, "push", p)
+    probes.pool_step(pool, "check")
     corrupt(pool)
     with pytest.raises(AssertionError, match=message):
-        pagesets.pool_step(pool, "check")
+        probes.pool_step(pool, "check")
 
 
 @pytest.mark.parametrize("corrupt, message", [
@@ -154,19 +154,19 @@ def test_pool_check_fails_on_a_corrupted_field(corrupt, message):
     (lambda ring: ring.__setitem__("num_batches", 9), "outside its size 8"),
 ])
 def test_pending_ring_check_fails_on_a_corrupted_field(corrupt, message):
-    ring = pagesets.new_pending_ring(8)
-    pagesets.pending_step(ring, "push", [3, 5], 11)
-    pagesets.pending_step(ring, "push", [7, 0], 12)
-    pagesets.pending_step(ring, "retry", [6])
-    pagesets.pending_step(ring, "check")
+    ring = probes.new_pending_ring(8)
+    probes.pending_step(ring, "push", [3, 5], 11)
+    probes.pending_step(ring, "push", [7, 0], 12)
+    probes.pending_step(ring, "retry", [6])
+    probes.pending_step(ring, "check")
     corrupt(ring)
     with pytest.raises(AssertionError, match=message):
-        pagesets.pending_step(ring, "check")
+        probes.pending_step(ring, "check")
 
 
 def test_unknown_op_names_the_choices():
     with pytest.raises(ValueError, match="unknown pool op 'shuffle'; use push, pop, drop or check"):
-        pagesets.pool_step(pagesets.new_pool([1]), "shuffle")
+        probes.pool_step(probes.new_pool([1]), "shuffle")
 
 
 # The ledger: ids 0..5 below capacity 6 and ids 6, 7 above; 0 free, 1 pool, 2 used, 3 pending,
@@ -176,7 +176,7 @@ LEDGER = {"state": [1, 2, 3, 4, 1, 0, 0, 0], "weight": [1, 2, 1, 1, 3, 0, 1, 1],
 
 
 def test_ledger_check_passes_a_consistent_ledger():
-    pagesets.ledger_check_step(**LEDGER)
+    probes.ledger_check_step(**LEDGER)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -192,4 +192,4 @@ def test_ledger_check_passes_a_consistent_ledger():
 ])
 def test_ledger_check_fails_on_each_broken_invariant(change, message):
     with pytest.raises(AssertionError, match=message):
-        pagesets.ledger_check_step(**{**LEDGER, **change})
+        probes.ledger_check_step(**{**LEDGER, **change})

@@ -17,6 +17,7 @@
     blockargs   what callers hand the block allocator, checked and converted (counts, ids,
                 page intervals, host memory for its bookkeeping)
     blockalloc  BlockAllocator (block ids over whole pages: best fit, per-block state)
+    _probes     test hooks: the C structs of pagesets and freebuckets driven from Python
 
 Each module's ``.pxd`` is its C contract and cimports only modules listed before it;
 its ``.pyi`` types its Python surface. This package re-exports the Python names, so that code
