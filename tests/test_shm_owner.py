@@ -493,6 +493,46 @@ def test_fence_only_where_the_cpu_needs_one(monkeypatch, tracker):
     assert len(calls) >= 8  # publish, request, answer and reads each fenced twice
 
 
+def test_forked_child_never_waits_for_a_lock_its_parents_poller_held(tracker):
+    """A fork can come while the parent's poller thread holds the tracker's write or limit lock
+    (a heartbeat, a limit answer): that thread is not in the child, so the child must take
+    neither lock. Before, its publish / set_limit / close hung for good."""
+    held, release = threading.Event(), threading.Event()
+
+    def poller_like():
+        with tracker._write_lock, tracker._limit_lock:
+            held.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=poller_like)
+    thread.start()
+    try:
+        assert held.wait(60)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                tracker.publish(5, 6)
+                tracker.set_limit(7 << 20, 8)
+                tracker.set_capacity(9)
+                tracker.recorded_limit()
+                tracker.close()
+            finally:
+                os._exit(0)
+        pidfd = os.pidfd_open(pid)
+        try:
+            exited = select.select([pidfd], [], [], 60)[0]   # readable once the child has exited
+        finally:
+            os.close(pidfd)
+        if not exited:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung on a lock the parent's thread held at the fork")
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        release.set()
+        thread.join()
+
+
 def test_forked_child_never_writes_its_parents_segment(tracker):
     tracker.publish(1, 2)
     tracker.set_limit(3 << 20, 4)

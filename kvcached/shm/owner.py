@@ -10,6 +10,7 @@ application calls ``close_on_signals``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -243,7 +244,7 @@ class MemInfoTracker:
         """Whether writes may go to the file: open, not detached, not a forked child's copy
         (the segment is the parent's), and a segment long (one fstat). Assumes
         ``self._write_lock``. See Note [A segment changed by another process] in segment."""
-        if self._closed or self._detached is not None or pid_now[0] != self._identity[0]:
+        if self._closed or self._detached is not None or self._forked_copy():
             return False
         size = os.fstat(self._fd).st_size
         if size < SEGMENT_BYTES:
@@ -259,9 +260,16 @@ class MemInfoTracker:
                     "limit requests until it restarts (`kvctl gc` removes the file)",
                     self.path, why, self.name)
 
+    def _forked_copy(self) -> bool:
+        """This object was inherited by a forked child: it writes nothing and takes no lock (the
+        parent's poller thread may have held one at the fork, and that thread is not here)."""
+        return pid_now[0] != self._identity[0]
+
     def _write_block(self, seq_index: int, stores: list[tuple[int, int]]) -> None:
         """Write ``stores`` ((word index, checked value), one block's fields) under the block's
         sequence counter ``seq_index``: into the shadow, then with pwrite into the file."""
+        if self._forked_copy():
+            return
         with self._write_lock:
             shadow = self._shadow
             seq = shadow[seq_index] + 1
@@ -310,6 +318,8 @@ class MemInfoTracker:
         limit_bytes = _check_limit(limit_bytes)
         revision = as_int(revision, "revision", minimum=0, maximum=I64_MAX)
         code = status_code(status)
+        if self._forked_copy():
+            return
         with self._limit_lock:
             self._write_limit_block(limit_bytes=limit_bytes, limit_revision=revision,
                                     limit_status=code)
@@ -317,7 +327,7 @@ class MemInfoTracker:
     def recorded_limit(self) -> tuple[int, int, str]:
         """(limit_bytes, revision, status) as this owner last wrote them into the segment. O(1),
         no system call."""
-        with self._limit_lock:
+        with contextlib.nullcontext() if self._forked_copy() else self._limit_lock:
             words = self._shadow
             return (words[WORDS["limit_bytes"]], words[WORDS["limit_revision"]],
                     status_name(words[WORDS["limit_status"]]))
@@ -329,6 +339,8 @@ class MemInfoTracker:
             KVCachedConfigError: outside [0, I64_MAX] or not an int. Nothing was written.
         """
         capacity_bytes = as_int(capacity_bytes, "capacity_bytes", minimum=0, maximum=I64_MAX)
+        if self._forked_copy():
+            return
         with self._limit_lock:
             self._write_limit_block(capacity_bytes=capacity_bytes)
 
