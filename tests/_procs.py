@@ -98,6 +98,14 @@ class Proc:
             self.popen.communicate()
 
 
+def wait_until(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
+    """Poll ``predicate`` until it holds; a generous timeout turns a hang into a failure."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
 def poke_segment(path: str, field: str, *values: int) -> None:
     """Write i64 ``values`` at ``field``'s offset of a segment file, as another program could."""
     fd = os.open(path, os.O_RDWR)

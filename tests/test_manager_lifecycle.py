@@ -23,6 +23,7 @@ from kvcached.kv_cache_manager import MAX_LIMIT_BYTES, MAX_REVISION
 from kvcached.shm.client import read_segment, request_limit, wait_for_ack
 from kvcached.shm.poller import POLLER, THREAD_NAME
 
+from _procs import wait_until
 from _stacks import KV_PAGE_BYTES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,10 +164,8 @@ def test_managers_of_a_process_share_one_poller_thread(kv_env):
         m.alloc(1)
         ack = wait_for_ack(request_limit(m.ipc_name, 64 * m.page_bytes), timeout_s=30)
         assert ack is not None and ack.ack_status == "applied", ack
-        deadline = time.monotonic() + 30
-        while read_segment(m.ipc_name).used_bytes != m.page_bytes:     # published by the poller
-            assert time.monotonic() < deadline, read_segment(m.ipc_name)
-            time.sleep(0.001)
+        wait_until(lambda: read_segment(m.ipc_name).used_bytes == m.page_bytes,     # published by the poller
+                   what=f"the poller to publish {m.ipc_name}")
     for m in managers[:-1]:
         m.close()
         assert jobs_of(m) == [] and poller.is_alive()

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _procs import Proc, unique_name
+from _procs import Proc, unique_name, wait_until
 from kvcached.errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
 from kvcached.shm import budget as kb
 from kvcached.shm.budget import (
@@ -36,14 +36,6 @@ from kvcached.shm.poller import POLLER, THREAD_NAME
 MiB = 1 << 20
 
 pytestmark = pytest.mark.usefixtures("shm_clean")
-
-
-def _wait(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
-    """Poll ``predicate`` until it holds; a generous timeout turns a hang into a failure."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.002)
 
 
 @pytest.fixture
@@ -165,7 +157,7 @@ def test_sigkilled_holder_is_recovered_by_the_next_acquirer(name):
             assert not b.try_acquire(4 * MiB)
             hog.kill(signal.SIGKILL)
             # this handle scans for dead holders at most every RECLAIM_EVERY_S
-            _wait(lambda: b.try_acquire(10 * MiB), what="the dead holder's share")
+            wait_until(lambda: b.try_acquire(10 * MiB), what="the dead holder's share")
             snap = b.snapshot()
             assert (snap.held_bytes, snap.recovered_bytes) == (10 * MiB, 7 * MiB)
             assert [h.pid for h in snap.holders] == [os.getpid()]
@@ -381,7 +373,7 @@ def test_foreign_holder_is_reclaimed_only_once_its_heartbeat_stops(name):
                 time.sleep(0.01)
             os.kill(python, signal.SIGSTOP)  # its heartbeat stops; /proc cannot tell
             try:
-                _wait(lambda: mine.try_acquire(5 * MiB), what="the stalled holder's reclaim")
+                wait_until(lambda: mine.try_acquire(5 * MiB), what="the stalled holder's reclaim")
                 snap = mine.snapshot()
                 assert (snap.held_bytes, snap.recovered_bytes) == (5 * MiB, 6 * MiB)
                 assert [h.pid for h in snap.holders] == [os.getpid()]
@@ -396,7 +388,7 @@ def test_live_holder_of_this_namespace_is_never_reclaimed(name):
     with Proc("budget-hog", name, str(6 * MiB)) as hog:
         os.kill(hog.pid, signal.SIGSTOP)
         try:
-            _wait(lambda: _heartbeat_age_s(name, hog.pid) > 3 * kb.MIN_STALE_AFTER_S,
+            wait_until(lambda: _heartbeat_age_s(name, hog.pid) > 3 * kb.MIN_STALE_AFTER_S,
                   what="a stale heartbeat")
             assert gc_budgets().get(name, 0) == 0
             with Budget.open(name) as mine:
@@ -411,7 +403,7 @@ def test_the_poller_beats_while_a_handle_is_open(name):
     set_budget(name, MiB, stale_after_s=kb.MIN_STALE_AFTER_S)
     with Budget.open(name) as b:
         first = read_budget(name).holders[0].heartbeat_ns
-        _wait(lambda: read_budget(name).holders[0].heartbeat_ns > first, what="a beat")
+        wait_until(lambda: read_budget(name).holders[0].heartbeat_ns > first, what="a beat")
         (thread,) = [t for t in threading.enumerate() if t.name == THREAD_NAME]
         assert f"budget {name}: slot {b._slot}'s heartbeat" in POLLER.jobs()
         b.try_acquire(1)

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from _procs import ENV, Proc, poke_segment, unique_name
+from _procs import ENV, Proc, poke_segment, unique_name, wait_until
 from kvcached.errors import KVCachedConfigError, KVCachedError
 from kvcached.limits import NO_LIMIT
 from kvcached.shm import segment as seg
@@ -325,13 +325,6 @@ def test_failing_callback_is_acknowledged_as_error(tracker):
     assert ack.ack_status == "error"
 
 
-def _wait(predicate, timeout_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.001)
-
-
 def test_watcher_survives_requests_no_operator_can_make(tracker):
     recorder = Recorder()
     tracker.start_watcher(recorder)
@@ -339,7 +332,7 @@ def test_watcher_survives_requests_no_operator_can_make(tracker):
         seq = read_segment(tracker.name).request_seq + 2
         poke_segment(tracker.path, "request_limit_bytes", limit, revision)
         poke_segment(tracker.path, "request_seq", seq)
-        _wait(lambda seq=seq: read_segment(tracker.name).ack_request_seq == seq,
+        wait_until(lambda seq=seq: read_segment(tracker.name).ack_request_seq == seq,
               what="the answer")
         assert read_segment(tracker.name).ack_status == "error"
     assert recorder.calls == []  # never handed to the callback
