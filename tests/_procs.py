@@ -201,6 +201,21 @@ class ModelManager:
         return {"status": status, "limit_bytes": self.limit_bytes, "revision": self.revision}
 
 
+def wait_for_stdin_to_close() -> None:
+    """Print READY, then wait until the test closes stdin, or a signal's handler raises.
+
+    A handler runs only at the main thread's next bytecode: a signal that lands between READY and
+    a blocking ``read()`` would wait for the read to return (the test sends it as soon as it sees
+    READY). The wake-up fd makes such a signal end the wait too."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    print("READY", flush=True)
+    while sys.stdin not in select.select([sys.stdin, wake_r], [], [])[0]:
+        os.read(wake_r, 512)  # a signal whose handler returned: wait on
+    sys.stdin.read()
+
+
 def role_hold(args: argparse.Namespace) -> None:
     if args.own_sigterm:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
@@ -211,8 +226,7 @@ def role_hold(args: argparse.Namespace) -> None:
         tracker.set_limit(args.limit, 0)
     if args.watch:
         tracker.start_watcher(ModelManager(args.limit, args.used).apply)
-    print("READY", flush=True)
-    sys.stdin.read()  # until the test closes stdin; signals interrupt it
+    wait_for_stdin_to_close()
 
 
 def role_writer(args: argparse.Namespace) -> None:

@@ -26,7 +26,7 @@ from kvcached.core._posix cimport (
 from kvcached.core.pagesets cimport _NEED_SLOW, freeset_weight_of_lowest, ledger_headroom
 from kvcached.core.vmm cimport lifecycle_init, lifecycle_owned
 
-import threading as _threading
+from kvcached._threads import start_daemon
 
 
 cdef class Refillable:
@@ -258,8 +258,7 @@ cdef class RefillPolicy:
             return 0
         self.bg_stopping = False
         self.bg_running = True
-        self.thread = _threading.Thread(target=self._run, args=(pa,), name="kvcached-page-allocator", daemon=True)
-        self.thread.start()
+        self.thread = start_daemon(self._run, "kvcached-page-allocator", (pa,))
         return 0
 
     cdef int _stop(self, Refillable pa) except -1:

@@ -6,7 +6,7 @@ usage publishing (``kvcached.kv_cache_manager``), each budget handle's slot hear
 own interval: it starts with the first job and ends with the last, so a process with N managers
 runs one such thread, not two per manager. See Note [One poller per process].
 
-Pure Python, imports nothing of kvcached.
+Pure Python; imports only kvcached._threads.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import os
 import threading
 import time
 from collections.abc import Callable
+
+from .._threads import start_daemon
 
 THREAD_NAME = "kvcached-poller"
 
@@ -93,8 +95,7 @@ class Poller:
         with self._cond:
             self._jobs.append(job)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
-                self._thread.start()
+                self._thread = start_daemon(self._run, THREAD_NAME)
             self._cond.notify_all()
         return job
 

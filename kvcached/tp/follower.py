@@ -12,6 +12,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
+from .._threads import start_daemon
 from ..errors import DriverError
 from .channel import (
     ERROR,
@@ -63,10 +64,10 @@ class Follower:
         self._streams: dict[int, int] = {}              # table id -> the stream an unmap waits for
         self._stuck: dict[int, set[int]] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name=f"kvcached-tp-rank{channel.rank}", daemon=True)
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        self._thread = start_daemon(self._serve, f"kvcached-tp-rank{self.channel.rank}")
 
     def add_table(self, table_id: int, table: PageTable, geometry: tuple[int, ...], stream: int = 0) -> None:
         """Serve `table` under `table_id` (alloc_kv_cache on this rank); wakes a REGISTER that waits.
