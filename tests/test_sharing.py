@@ -364,8 +364,8 @@ def test_a_budgeted_manager_holds_no_physical_memory_the_budget_does_not_count(m
             m.free(ids)
             # free() unmaps at once unless the refill thread holds the map lock: that thread
             # then unmaps the pending pages (within its 10 ms poll)
-            wait_until(lambda: backend.physical_bytes == 0, what="the freed pages to be unmapped")
-            assert read_budget(budget_name).held_bytes == 0
+            wait_until(lambda: backend.physical_bytes == read_budget(budget_name).held_bytes == 0,
+                       what="the freed pages to be unmapped and their bytes given back")
     finally:
         shutdown_kvcached()
         monkeypatch.undo()
