@@ -3,11 +3,11 @@
 Dispatch and the torch implementation: on CUDA, decode batches go to the Triton decode kernel
 (triton_decode) and every other batch to the Triton prefill kernel (triton_prefill), one launch
 each and no host read of any tensor's contents; on other devices (or without triton) torch ops
-run here over the gathered blocks (prefill through ``scaled_dot_product_attention``). Only blocks a request's positions need are gathered:
-entries of a block table past ``ceil(seq_len / block_size)``, and blocks wholly before a sliding
-window, are never read, and neither are slots past ``seq_len``. The entries that are read must be
-ids of held blocks: the CPU path refuses any other, CUDA takes them on trust. See Note [Block
-table contract].
+run here over the gathered blocks (prefill through ``scaled_dot_product_attention``). Only
+blocks a request's positions need are read: entries of a block table past
+``ceil(seq_len / block_size)``, and blocks wholly before a sliding window, never are, and neither
+are slots past ``seq_len``. The entries that are read must be ids of held blocks: the CPU path
+refuses any other, CUDA takes them on trust. See Note [Block table contract].
 """
 
 from __future__ import annotations
