@@ -75,10 +75,15 @@ def _prefill_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, starts_ptr, 
                     s_table, so_token, so_head, so_dim,
                     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
                     D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, CACHE_DTYPE: tl.constexpr):
+                    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+                    ALIGNED: tl.constexpr):
     # See Note [Cache base address] in triton_decode.
     k_ptr = k_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
     v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
+    if ALIGNED:
+        # The alignment Triton would have seen on a pointer argument. See Note [Prefill kernel shape].
+        k_ptr = tl.multiple_of(k_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
     # The last tiles of a request attend to the most tokens: start them first (a shorter tail).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -163,16 +168,14 @@ class Tiles(NamedTuple):
 
 
 def default_tiles(head_dim: int, element_size: int, group: int) -> Tiles:
-    """Tile sizes by the bytes of one token's K (or V) row. See Note [Prefill kernel shape]."""
-    row_bytes = max(16, triton.next_power_of_2(head_dim)) * element_size
-    if row_bytes <= 128:
-        tiles = Tiles(128, 64, 4, 3)
-    elif row_bytes <= 256:
+    """Tile sizes by dtype and head dim. See Note [Prefill kernel shape]."""
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    if element_size >= 4:           # fp32: FMA dots (input_precision="ieee"), small tiles
+        tiles = Tiles(16, 32, 4, 2) if d_pad <= 64 else Tiles(16, 16, 4, 2)
+    elif d_pad <= 128:
         tiles = Tiles(128, 64, 8, 3)
-    elif row_bytes <= 512:
-        tiles = Tiles(64, 32, 8, 2)
     else:
-        tiles = Tiles(32, 16, 4, 2)
+        tiles = Tiles(64, 32, 8, 2)
     return tiles._replace(block_m=max(tiles.block_m, triton.next_power_of_2(group)))
 
 
@@ -204,7 +207,8 @@ def paged_prefill_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             D_PAD=d_pad, EVEN_D=d_pad == head_dim, BLOCK_SIZE=geometry.block_size,
             BLOCK_N=tiles.block_n, USE_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            CACHE_DTYPE=element_type(k_cache), **stages)
+            CACHE_DTYPE=element_type(k_cache),
+            ALIGNED=k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0, **stages)
     return out
 
 
@@ -239,13 +243,22 @@ def paged_prefill_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 # its block up (token // BLOCK_SIZE, widened to int64 before scaling by the block stride, as in
 # the decode kernel), so any block size works and a chunk may span blocks.
 #
-# Tiles, by the bytes of one K row (D_PAD * element size), all multiples of 16 for tl.dot:
-#   <= 128 B (bf16 D <= 64):        BLOCK_M 128, BLOCK_N 64, 4 warps, 3 stages
-#   <= 256 B (bf16 D 128, fp32 64): BLOCK_M 128, BLOCK_N 64, 8 warps, 3 stages
-#   <= 512 B (bf16 D 256, fp32 128): BLOCK_M 64, BLOCK_N 32, 8 warps, 2 stages
-#   1 KiB    (fp32 D 256):          BLOCK_M 32,  BLOCK_N 16, 4 warps, 2 stages
-# Shared memory is about Q + stages * (K + V) chunks: 32 + 3 * 32 = 128 KiB at bf16 D 128, at
-# most 96 KiB on the other rows, within an H100/H200's 227 KiB per block (the first row is
-# Triton's flash-attention tutorial's Hopper setting). The fp32 accumulator of BLOCK_M x D_PAD
-# stays at <= 64 registers a thread. These were chosen from the budgets, not yet tuned on a GPU;
-# benchmarks/bench_attention.py measures them against SDPA's flash backend.
+# Alignment. The caches arrive as int64 addresses (Note [Cache base address]), so Triton cannot
+# see that they are 16-byte aligned as it would for a pointer argument; without that, the K/V
+# loads are not vectorised, not turned into asynchronous copies and not pipelined at all (the
+# compiled code for sm_90 showed no cp.async, 255 registers and spills). ALIGNED, checked on the
+# host from the addresses, restores the fact with tl.multiple_of: cp.async, 3 stages, ~184
+# registers at bf16 D 128. The strides get Triton's usual specialisation (multiples of 16).
+#
+# Tiles (all dims multiples of 16 for tl.dot), checked by compiling for sm_90 with this Triton
+# (3.6) and reading shared memory and registers from the cubin, not yet timed on a GPU:
+#   fp16/bf16, D <= 128: BLOCK_M 128, BLOCK_N 64, 8 warps, 3 stages: 96 KiB shared, 184 registers
+#                        at D 128 (132 at D 64), wgmma, no spills (Triton's flash-attention
+#                        tutorial's Hopper setting)
+#   fp16/bf16, D 256:    BLOCK_M 64, BLOCK_N 32, 8 warps, 2 stages: 96 KiB, 172 registers
+#   fp32 (D <= 64 / more): BLOCK_M 16, BLOCK_N 32 / 16, 4 warps, 2 stages: <= 50 KiB, <= 142
+#                        registers. fp32 dots are "ieee" FMA loops (no tensor cores); larger
+#                        tiles spilled hundreds of bytes a thread.
+# A GQA group larger than BLOCK_M widens it to the group. Shared memory stays within the 227 KiB
+# a block may use on an H100/H200 (and the 163 KiB of an A100) in every row.
+# benchmarks/bench_attention.py measures the bf16 D 128 row against SDPA's flash backend.
