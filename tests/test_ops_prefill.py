@@ -11,6 +11,7 @@ padded lanes, no device-to-host sync in a step, and a CUDA graph replayed on ano
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
 import subprocess
@@ -125,6 +126,48 @@ def test_prefill_kernel_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "interpreted ok" in done.stdout, done.stderr[-4000:]
+
+
+def _sm90_compiler() -> str | None:
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None:
+        return "triton with its NVIDIA backend is not installed"
+    return None
+
+
+@pytest.mark.skipif(_sm90_compiler() is not None, reason=str(_sm90_compiler()))
+@pytest.mark.parametrize("dtype, head_dim, group, window", [("bf16", 128, 4, True), ("fp16", 80, 3, False),
+                                                             ("bf16", 256, 8, False), ("fp32", 256, 2, True)])
+def test_prefill_kernel_compiles_for_sm90_pipelined(dtype, head_dim, group, window):
+    """No GPU needed: the kernel compiles for an H100/H200 with the default tiles (the
+    interpreter does not run Triton's compiler), its K/V loads are asynchronous copies (the
+    pipeline; See Note [Prefill kernel shape], Alignment), and it fits in shared memory."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kvcached.ops.triton_prefill import _prefill_kernel, default_tiles
+
+    tiles = default_tiles(head_dim, 4 if dtype == "fp32" else 2, group)
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    constants = dict(GROUP=group, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // group, HEAD_DIM=head_dim,
+                     D_PAD=d_pad, EVEN_D=d_pad == head_dim, BLOCK_SIZE=16, BLOCK_N=tiles.block_n, USE_WINDOW=window,
+                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ALIGNED=True,
+                     CACHE_DTYPE={"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype],
+                     sq_dim=1, sk_dim=1, sv_dim=1, so_dim=1)      # unit strides, as Triton specialises them
+    signature, attrs = {}, {}
+    for i, name in enumerate(_prefill_kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = {"q_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                           "starts_ptr": "*i32", "k_addr": "i64", "v_addr": "i64", "scale_log2": "fp32"}.get(name, "i32")
+        if name not in ("num_seqs", "window", "scale_log2", "s_table"):     # 16-aligned as Triton specialises
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(_prefill_kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+    assert "cp.async" in kernel.asm["ptx"], "K/V loads are not asynchronous copies: the loop is not pipelined"
+    assert kernel.metadata.shared <= 227 * 1024
 
 
 # -- the geometry memo (any device) ----------------------------------------------------------------
