@@ -5,8 +5,9 @@ paged result with torch's scaled_dot_product_attention over the dense per-reques
 Caches are plain tensors poisoned with NaN outside the written slots (a read of any block outside
 the tables, or of a slot past seq_len, would make the output NaN), and kvcached tensors of every
 layout on the host backend with the zero page off and no pool (a read of an unmapped page faults).
-The Triton kernel runs against the torch path on CUDA (marker gpu) and, where triton >= 3.9 is
-installed, on the CPU under TRITON_INTERPRET=1.
+The Triton kernel runs against the torch path on CUDA (marker gpu) and, where triton is installed
+(>= 3.9, or an older one with numpy < 2.4), on the CPU under TRITON_INTERPRET=1. The prefill
+kernel's own tests are in test_ops_prefill.py.
 """
 
 from __future__ import annotations
@@ -437,9 +438,13 @@ def _triton_interpreter_usable() -> str | None:
         import triton
     except ImportError:
         return "triton is not installed"
-    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    if (major, minor) < (3, 9):
-        return f"triton {triton.__version__}: interpreters before 3.9 fail on numpy >= 2.4"
+    import numpy
+
+    triton_version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    numpy_version = tuple(int(x) for x in numpy.__version__.split(".")[:2])
+    if triton_version < (3, 9) and numpy_version >= (2, 4):
+        return (f"triton {triton.__version__} with numpy {numpy.__version__}: interpreters before 3.9 fail "
+                f"on numpy >= 2.4")
     return None
 
 

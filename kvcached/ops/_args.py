@@ -35,9 +35,29 @@ def _ordered_strides(cache: torch.Tensor, kv_layout: str) -> tuple[int, int, int
     return (s[0], s[1], s[2], s[3]) if kv_layout == "NHD" else (s[0], s[2], s[1], s[3])
 
 
+_GEOMETRIES: dict[tuple, CacheGeometry] = {}
+GEOMETRY_MEMO_SIZE = 1024       # distinct cache shapes remembered; the memo is emptied when full
+
+
 def cache_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> CacheGeometry:
-    """Check one layer's K and V caches and read their geometry. Raises ValueError or TypeError
-    naming the bad argument and the fix."""
+    """Check one layer's K and V caches and read their geometry, once per distinct shape,
+    strides, dtype and device (See Note [Geometry memo]). Raises ValueError or TypeError naming
+    the bad argument and the fix."""
+    key = None
+    if isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor) and isinstance(kv_layout, str):
+        key = (kv_layout, k_cache.shape, v_cache.shape, k_cache.stride(), v_cache.stride(), k_cache.dtype,
+               v_cache.dtype, k_cache.device, v_cache.device)
+        geometry = _GEOMETRIES.get(key)
+        if geometry is not None:
+            return geometry
+    geometry = _check_geometry(k_cache, v_cache, kv_layout)
+    if len(_GEOMETRIES) >= GEOMETRY_MEMO_SIZE:
+        _GEOMETRIES.clear()
+    _GEOMETRIES[key] = geometry
+    return geometry
+
+
+def _check_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str) -> CacheGeometry:
     check_kv_layout(kv_layout)
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(cache, torch.Tensor):
@@ -57,6 +77,18 @@ def cache_geometry(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_layout: str)
         raise ValueError(f"head_dim={head_dim} must be in [1, {MAX_HEAD_DIM}]")
     return CacheGeometry(n, block_size, heads, head_dim, _ordered_strides(k_cache, kv_layout),
                          _ordered_strides(v_cache, kv_layout))
+
+
+# Note [Geometry memo]
+# ~~~~~~~~~~~~~~~~~~~~
+# Every op call needs the caches' geometry, and checking it costs tens of microseconds of Python
+# (a model calls the ops once per layer per step). The checks and the geometry depend only on
+# the two tensors' shapes, strides, dtypes and devices and on kv_layout, never on their addresses
+# or contents, so a geometry computed once is valid for any tensors that match in those: the memo
+# is keyed on exactly them (all layers of one model share an entry), and a key is stored only
+# after the checks passed, so a bad pair misses the memo and raises as before. The memo holds
+# at most GEOMETRY_MEMO_SIZE keys and is emptied when full (no eviction order to keep under
+# threads); a lost entry only costs one check again.
 
 
 def check_tokens(name: str, tensor: torch.Tensor, geometry: CacheGeometry, cache: torch.Tensor) -> None:

@@ -1,16 +1,18 @@
 """paged_attention and paged_decode: attention of a batch's queries over one layer's paged K/V.
 
-Dispatch and the torch implementation: decode batches on CUDA go to the Triton kernel
-(triton_decode); everything else runs here, with torch ops over the gathered blocks (prefill
-through ``scaled_dot_product_attention``). Only blocks a request's positions need are gathered:
-entries of a block table past ``ceil(seq_len / block_size)``, and blocks wholly before a sliding
-window, are never read, and neither are slots past ``seq_len``. The entries that are read must be
-ids of held blocks: the CPU path refuses any other, CUDA takes them on trust. See Note [Block
-table contract].
+Dispatch and the torch implementation: on CUDA, decode batches go to the Triton decode kernel
+(triton_decode) and every other batch to the Triton prefill kernel (triton_prefill), one launch
+each and no host read of any tensor's contents; on other devices (or without triton) torch ops
+run here over the gathered blocks (prefill through ``scaled_dot_product_attention``). Only
+blocks a request's positions need are read: entries of a block table past
+``ceil(seq_len / block_size)``, and blocks wholly before a sliding window, never are, and neither
+are slots past ``seq_len``. The entries that are read must be ids of held blocks: the CPU path
+refuses any other, CUDA takes them on trust. See Note [Block table contract].
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -28,7 +30,7 @@ from ._args import (
 )
 
 logger = logging.getLogger("kvcached")
-_triton_missing_logged = False
+_triton_installed: bool | None = None
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -68,15 +70,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Request r's queries are ``query[query_start_loc[r]:query_start_loc[r+1]]`` (at least one),
     the last ``q_len`` positions of its ``seq_lens[r]`` cached tokens (written with write_kv
     first). A query at position p attends to positions <= p, and > p - sliding_window if given.
-    Decode-only batches (T == B: every q_len is 1) take paged_decode's path, the Triton kernel on
-    CUDA; others torch SDPA per request. Index tensors int32 or int64, as paged_decode's.
+    Decode-only batches (T == B: every q_len is 1) take paged_decode's path; on CUDA every other
+    batch is one launch of the Triton prefill kernel (chunked prefills and decode rows mixed), and
+    nothing is read back to the host, so a step can be captured in a CUDA graph. Elsewhere (or
+    without triton) torch SDPA per request. Index tensors int32 or int64, as paged_decode's.
     O(sum(q_len * seq_len) * H * D).
 
     Block tables as paged_decode: the entries a request's positions need must be held blocks'
     ids, those past ``ceil(seq_len / block_size)`` are never read.
 
-    Raises TypeError/ValueError as paged_decode (block ids checked on CPU only, See Note [Block
-    table contract]), and for a query_start_loc that does not fit (contents checked on CPU only).
+    Raises TypeError/ValueError as paged_decode, and for a query_start_loc that does not fit. On
+    CUDA only shapes are checked: query_start_loc rising from 0 to T with every q_len in
+    [1, seq_lens[r]], seq_lens within the table and the block ids it reads are the caller's
+    contract, as a bad one reads wrong data or faults. See Note [Block table contract].
     """
     geometry = cache_geometry(k_cache, v_cache, kv_layout)
     window = check_window(sliding_window)
@@ -86,19 +92,26 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _check_tables(block_tables, seq_lens, batch, k_cache.device)
     check_index("query_start_loc", query_start_loc, (batch + 1,), k_cache.device)
     tokens = query.shape[0]
-    starts = None
-    if not query.is_cuda or tokens != batch:
-        starts = query_start_loc.tolist()
-        lens = [b - a for a, b in zip(starts, starts[1:])]
-        if starts[0] != 0 or starts[-1] != tokens or min(lens, default=1) < 1:
-            raise ValueError(f"query_start_loc={starts} must rise from 0 to the {tokens} query tokens, "
-                             f"each request having at least one")
-        lens_cached = seq_lens.tolist()
-        short = [r for r in range(batch) if lens_cached[r] < lens[r]]
-        if short:
-            r = short[0]
-            raise ValueError(f"request {r} has {lens[r]} queries but seq_lens[{r}]={lens_cached[r]}; seq_lens "
-                             f"counts the cached tokens including this step's")
+    if query.is_cuda:
+        if tokens == batch:
+            return _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geometry, kv_layout)
+        if _triton_available():
+            from .triton_prefill import paged_prefill_triton
+
+            return paged_prefill_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                        window, geometry)
+    # The torch path reads the descriptors on the host anyway: check their contents here.
+    starts = query_start_loc.tolist()
+    lens = [b - a for a, b in zip(starts, starts[1:])]
+    if starts[0] != 0 or starts[-1] != tokens or min(lens, default=1) < 1:
+        raise ValueError(f"query_start_loc={starts} must rise from 0 to the {tokens} query tokens, "
+                         f"each request having at least one")
+    lens_cached = seq_lens.tolist()
+    short = [r for r in range(batch) if lens_cached[r] < lens[r]]
+    if short:
+        r = short[0]
+        raise ValueError(f"request {r} has {lens[r]} queries but seq_lens[{r}]={lens_cached[r]}; seq_lens "
+                         f"counts the cached tokens including this step's")
     if tokens == batch:
         return _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geometry, kv_layout)
     return _prefill(query, k_cache, v_cache, block_tables, seq_lens, starts, scale, window, geometry, kv_layout)
@@ -155,15 +168,13 @@ def _decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, geom
 
 
 def _triton_available() -> bool:
-    global _triton_missing_logged
-    try:
-        import triton  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
-    except ImportError:
-        if not _triton_missing_logged:
-            logger.warning("triton is not installed: paged decode on CUDA runs the (slower) torch path")
-            _triton_missing_logged = True
-        return False
-    return True
+    """Whether triton is installed, looked up once; warns once when it is not."""
+    global _triton_installed
+    if _triton_installed is None:
+        _triton_installed = importlib.util.find_spec("triton") is not None
+        if not _triton_installed:
+            logger.warning("triton is not installed: paged attention on CUDA runs the (slower) torch path")
+    return _triton_installed
 
 
 def _gather(cache: torch.Tensor, ids: torch.Tensor, kv_layout: str) -> torch.Tensor:
@@ -259,4 +270,7 @@ def _prefill(query, k_cache, v_cache, block_tables, seq_lens, starts, scale, win
 # default ones (a silently wrong output). The check is a few vector compares over the table, next
 # to the attention itself. On CUDA, nothing is checked: reading the table's contents on the host
 # would stall the stream on every step (and break graph capture); a bad id there reads another
-# block or faults with an illegal address.
+# block or faults with an illegal address. The same holds for the other descriptors' contents on
+# CUDA: query_start_loc must rise from 0 to T with every q_len in [1, seq_lens[r]], and seq_lens
+# stay within the table's capacity. The Triton kernels take them as given (a bad query_start_loc
+# attends the wrong rows, leaves output rows unwritten or faults); the CPU path checks them.
