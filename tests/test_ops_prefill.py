@@ -142,9 +142,6 @@ def test_prefill_kernel_compiles_for_sm90_pipelined(dtype, head_dim, group, wind
     interpreter does not run Triton's compiler), its K/V loads are asynchronous copies (the
     pipeline; See Note [Prefill kernel shape], Alignment), and it fits in shared memory."""
     import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from kvcached.ops.triton_prefill import _prefill_kernel, default_tiles
 
@@ -152,22 +149,49 @@ def test_prefill_kernel_compiles_for_sm90_pipelined(dtype, head_dim, group, wind
     d_pad = max(16, triton.next_power_of_2(head_dim))
     constants = dict(GROUP=group, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // group, HEAD_DIM=head_dim,
                      D_PAD=d_pad, EVEN_D=d_pad == head_dim, BLOCK_SIZE=16, BLOCK_N=tiles.block_n, USE_WINDOW=window,
-                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", ALIGNED=True,
-                     CACHE_DTYPE={"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype],
-                     sq_dim=1, sk_dim=1, sv_dim=1, so_dim=1)      # unit strides, as Triton specialises them
+                     DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    kernel = compile_for_sm90(_prefill_kernel, dtype, constants, ("num_seqs",), tiles.num_warps, tiles.num_stages)
+    assert "cp.async" in kernel.asm["ptx"], "K/V loads are not asynchronous copies: the loop is not pipelined"
+    assert kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.skipif(_sm90_compiler() is not None, reason=str(_sm90_compiler()))
+@pytest.mark.parametrize("aligned", [True, False])
+def test_decode_kernel_compiles_for_sm90_pipelined_when_aligned(aligned):
+    """The decode kernel too: with ALIGNED its loads are asynchronous copies; without, they are
+    not (which is why the launcher passes it). See Note [Cache base address]."""
+    from kvcached.ops.triton_decode import _decode_kernel
+
+    constants = dict(GROUP=4, Q_ROWS=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=1,
+                     USE_WINDOW=False, DOT_PRECISION="tf32")
+    kernel = compile_for_sm90(_decode_kernel, "bf16", constants, (), 4, 3, aligned=aligned)
+    assert ("cp.async" in kernel.asm["ptx"]) == aligned
+
+
+def compile_for_sm90(kernel, dtype: str, constants: dict, unaligned: tuple[str, ...], num_warps: int,
+                     num_stages: int, aligned: bool = True):
+    """Compile ``kernel`` for sm_90 as a launch would: unit dim strides, every other integer and
+    pointer argument 16-divisible (Triton's specialisation) but those in ``unaligned``."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constants = dict(constants, ALIGNED=aligned, sq_dim=1, sk_dim=1, sv_dim=1, so_dim=1,
+                     CACHE_DTYPE={"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}[dtype])
+    pointers = {"q_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "table_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "starts_ptr": "*i32", "m_part_ptr": "*fp32", "l_part_ptr": "*fp32", "o_part_ptr": "*fp32"}
+    scalars = {"k_addr": "i64", "v_addr": "i64", "scale_log2": "fp32"}
     signature, attrs = {}, {}
-    for i, name in enumerate(_prefill_kernel.arg_names):
+    for i, name in enumerate(kernel.arg_names):
         if name in constants:
             signature[name] = "constexpr"
             continue
-        signature[name] = {"q_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "table_ptr": "*i32", "seq_lens_ptr": "*i32",
-                           "starts_ptr": "*i32", "k_addr": "i64", "v_addr": "i64", "scale_log2": "fp32"}.get(name, "i32")
-        if name not in ("num_seqs", "window", "scale_log2", "s_table"):     # 16-aligned as Triton specialises
+        signature[name] = pointers.get(name) or scalars.get(name, "i32")
+        if name not in ("window", "scale_log2", "s_table", *unaligned):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(_prefill_kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
-    assert "cp.async" in kernel.asm["ptx"], "K/V loads are not asynchronous copies: the loop is not pipelined"
-    assert kernel.metadata.shared <= 227 * 1024
+    return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 # -- the geometry memo (any device) ----------------------------------------------------------------

@@ -33,10 +33,14 @@ def _decode_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, out_ptr, m_pa
                    s_table, so_seq, so_head, so_dim,
                    GROUP: tl.constexpr, Q_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, CACHE_DTYPE: tl.constexpr):
+                   USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, CACHE_DTYPE: tl.constexpr,
+                   ALIGNED: tl.constexpr):
     # See Note [Cache base address].
     k_ptr = k_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
     v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
+    if ALIGNED:
+        k_ptr = tl.multiple_of(k_ptr, 16)
+        v_ptr = tl.multiple_of(v_ptr, 16)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -127,6 +131,13 @@ def element_type(cache: torch.Tensor) -> object:
     return _TL_DTYPES[cache.dtype]
 
 
+def aligned(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether both caches start 16-byte aligned, as Triton would have seen on a pointer argument
+    (a kernel told so with ``tl.multiple_of`` vectorises and pipelines its loads; an int64 address
+    hides it). See Note [Cache base address]."""
+    return k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0
+
+
 def device_of(tensor: torch.Tensor):
     """The CUDA device context of a launch (none for CPU tensors under the interpreter)."""
     return torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext()
@@ -180,7 +191,7 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             BLOCK_SIZE=geometry.block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
             USE_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            CACHE_DTYPE=element_type(k_cache), **stages)
+            CACHE_DTYPE=element_type(k_cache), ALIGNED=aligned(k_cache, v_cache), **stages)
         if splits > 1:
             _combine_kernel[(batch, heads)](
                 m_part, l_part, o_part, out, *out.stride(), heads,
@@ -218,4 +229,7 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # while it holds live blocks (right after creation, after a trim, or when the first blocks handed
 # out sit on a later page, it is not). The kernels therefore take the caches' base addresses as
 # int64 and cast them to pointers inside: only the blocks named by the tables are dereferenced,
-# and those are mapped by contract.
+# and those are mapped by contract. An integer hides the address's alignment, which Triton reads
+# off a pointer argument: the kernels take ALIGNED (both caches 16-byte aligned, checked on the
+# host) and restore it with tl.multiple_of, without which the loads are neither vectorised nor
+# pipelined (compiled for sm_90: no cp.async, 255 registers and spills).

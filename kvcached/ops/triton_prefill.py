@@ -19,7 +19,7 @@ import triton  # type: ignore[import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from ._args import CacheGeometry
-from .triton_decode import LOG2_E, device_of, element_type
+from .triton_decode import LOG2_E, aligned, device_of, element_type
 
 
 @triton.jit
@@ -208,7 +208,7 @@ def paged_prefill_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
             BLOCK_N=tiles.block_n, USE_WINDOW=sliding_window is not None,
             DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
             CACHE_DTYPE=element_type(k_cache),
-            ALIGNED=k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0, **stages)
+            ALIGNED=aligned(k_cache, v_cache), **stages)
     return out
 
 
