@@ -12,11 +12,11 @@ from __future__ import annotations
 import random
 
 import pytest
+import test_serving
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serving import FAMILIES, NUM_BLOCKS, expected, serving_model, workload
-from test_serving import elastic, one_thread  # noqa: F401 (fixtures, used by name)
 from test_serving_faults import Injected, failing, fault_points, serve_stepping
 
 from kvcached import core, init_kvcached
@@ -24,6 +24,8 @@ from kvcached.serving import ElasticKVCache, ServingLoop, StaticKVCache, build_m
 from kvcached.serving.graphs import decode_buckets
 
 BATCHES = (1, 3, 8, 9, 17)
+elastic = test_serving.elastic              # fixtures, used by name
+one_thread = test_serving.one_thread
 
 
 def check_generate(family: str, requests, results: dict[int, list[int]]) -> None:
