@@ -77,8 +77,9 @@ class StepBuffers:
         runs counts[i] tokens from position first[i]; those with sample[i] want the logits of
         their last token. `lanes` pads a decode-only step (every count 1, every request
         sampled) to that many lanes: token 0 at position 0, slot -1 (nothing written), sequence
-        length 1, a row of pad blocks, logits wanted (and ignored). One non-blocking copy to the
-        device; the staging is reused only once that copy ran."""
+        length 1, a row of pad blocks, logits wanted (and ignored). Table columns past the
+        longest request's blocks are not written (nothing reads them: Note [Step buffers]). One
+        non-blocking copy to the device; the staging is reused only once that copy ran."""
         batch = len(rows)
         tokens = len(token_ids)
         lanes = batch if lanes is None else lanes
@@ -102,7 +103,9 @@ class StepBuffers:
         bs = self.block_size
         slots[:tokens] = self._tables[np.repeat(rows, counts), token_pos // bs] * bs + token_pos % bs
         seq_lens[:batch] = first + counts
-        np.take(self._tables, rows, axis=0, out=tables[:batch])
+        if batch:
+            used = int((seq_lens[:batch] - 1).max()) // bs + 1      # blocks of the longest row
+            np.take(self._tables[:, :used], rows, axis=0, out=tables[:batch, :used], mode="clip")
         if lanes == batch:
             logits[:] = starts[1:][sample] - 1
         else:
@@ -135,8 +138,11 @@ class StepBuffers:
 # finishes, is preempted or aborted; the blocks appended to it are written into that row as the
 # scheduler hands them out, and entries past them hold the pad block. A step is then a few numpy
 # ops over small per-request arrays (rows, cached counts, new-token counts): positions and
-# slots come from a repeat and a gather in the mirror, the step's tables from one np.take of
-# the rows. The table width is the loop's (ceil(max_tokens / block_size)), so a step's layout
+# slots come from a repeat and a gather in the mirror, the step's tables from one gather of the
+# rows, up to the column of the batch's longest request: the columns past it keep what an
+# earlier step left in the staging (block ids of then, or the pad block), which no kernel reads
+# (Note [Block table contract] in kvcached.ops.attention: a row is read up to its sequence
+# length). At width 512 and batch 256 the full gather alone cost 0.3 ms of host time. The table width is the loop's (ceil(max_tokens / block_size)), so a step's layout
 # depends only on its sizes, and a padded decode step of a given lane count always has its
 # fields at the same addresses of the device buffer: the CUDA graphs of kvcached.serving.graphs
 # read them there.
