@@ -144,16 +144,18 @@ class ServingLoop:
         self.max_batch_tokens = as_int(max_batch_tokens, "max_batch_tokens", minimum=1, error=ValueError)
         self.max_running = as_int(max_running, "max_running", minimum=1, error=ValueError)
         self.device = next(model.parameters()).device
-        most = min(cache.num_blocks * cache.block_size, getattr(model.config, "max_position_embeddings", 1 << 62))
-        self.max_tokens = most if max_tokens is None else as_int(
-            max_tokens, "max_tokens", minimum=1, maximum=most, error=ValueError,
-            hint="the cache's blocks x block_size and the model's max_position_embeddings bound it")
-        self.buffers = StepBuffers(max_running=self.max_running,
-                                   max_tokens_per_step=max(self.max_batch_tokens, self.max_running),
-                                   width=-(-self.max_tokens // cache.block_size), block_size=cache.block_size,
-                                   device=self.device)
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
+        blocks = cache.num_blocks - 1 if cuda_graphs else cache.num_blocks     # the pad block is not a request's
+        most = min(blocks * cache.block_size, getattr(model.config, "max_position_embeddings", 1 << 62))
+        self.max_tokens = most if max_tokens is None else as_int(
+            max_tokens, "max_tokens", minimum=1, maximum=most, error=ValueError,
+            hint="the cache's blocks (but the pad block) x block_size and the model's max_position_embeddings "
+                 "bound it")
+        self.buffers = StepBuffers(max_running=self.max_running,
+                                   max_tokens_per_step=max(self.max_batch_tokens, self.max_running),
+                                   width=-(-max(self.max_tokens, 1) // cache.block_size), block_size=cache.block_size,
+                                   device=self.device)
         self.runner = DecodeRunner(model, cache, self.max_running, capture=self.device.type == "cuda") \
             if cuda_graphs else None
         self.pad_block: int | None = None       # See Note [Pad block]
@@ -178,8 +180,9 @@ class ServingLoop:
             raise ValueError("prompt_ids is empty; a request needs at least one prompt token")
         if len(tokens) + max_new_tokens > self.max_tokens:
             raise ValueError(f"prompt of {len(tokens)} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                             f"{self.max_tokens} tokens one request can hold (cache blocks x block_size, "
-                             f"max_position_embeddings); shorten it or give the cache more blocks")
+                             f"{self.max_tokens} tokens one request can hold (the loop's max_tokens, at most the "
+                             f"cache's blocks x block_size and max_position_embeddings); shorten it, or give the "
+                             f"loop a larger max_tokens or the cache more blocks")
         request = Request(self._next_id, tokens, len(tokens), max_new_tokens)
         self._next_id += 1
         self.waiting.append(request)
@@ -539,7 +542,8 @@ class ServingLoop:
 # the cache for it (cache.alloc(1), at construction, or at the first decode step if the cache had
 # none free then: until it has one, decode steps run eagerly) and holds it until close(), which
 # frees it (a closed cache took it along). It shows as one block handed out in the cache's
-# counts; check_invariants counts it as held, by no request. Only a loop with cuda_graphs takes
+# counts (and a request can hold one block fewer than the cache has: max_tokens says so);
+# check_invariants counts it as held, by no request. Only a loop with cuda_graphs takes
 # it: eager steps read no table entry past a request's blocks (Note [Block table contract] in
 # kvcached.ops.attention), so there the padding entries are never read and a loop without the
 # runner holds no memory while idle. Entries past a request's blocks hold the pad block too (0
