@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import test_serving
 import torch
@@ -20,7 +21,7 @@ from test_serving import FAMILIES, NUM_BLOCKS, expected, serving_model, workload
 from test_serving_faults import Injected, failing, fault_points, serve_stepping
 
 from kvcached import core, init_kvcached
-from kvcached.serving import ElasticKVCache, ServingLoop, StaticKVCache, build_model
+from kvcached.serving import ElasticKVCache, ServingLoop, StaticKVCache, StepBuffers, build_model
 from kvcached.serving.graphs import decode_buckets
 
 BATCHES = (1, 3, 8, 9, 17)
@@ -197,6 +198,24 @@ def test_block_table_rows_follow_the_requests():
     loop.run_until_done()
     assert sorted(loop.buffers._free_rows) == [0, 1, 2]
     assert (loop.buffers.tables.numpy() == loop.pad_block).all()
+
+
+def test_padded_plan_lanes():
+    """A decode step of 3 requests padded to 4 lanes: the real lanes first (their slots from the
+    rows), then a lane of token 0 at position 0, slot -1, length 1 and a row of pad blocks."""
+    buffers = StepBuffers(max_running=4, max_tokens_per_step=8, width=3, block_size=4, device=torch.device("cpu"),
+                          pad_block=9)
+    rows = [buffers.take_row(blocks) for blocks in ([1], [2, 3], [4, 5, 6])]
+    plan = buffers.pack(np.array(rows), np.array([2, 5, 8]), np.ones(3, np.int64), np.ones(3, bool), [7, 8, 9],
+                        lanes=4)
+    assert plan.sizes == (4, 4, 3, 4)
+    assert plan.input_ids.tolist() == [7, 8, 9, 0] and plan.positions.tolist() == [2, 5, 8, 0]
+    assert plan.slot_mapping.tolist() == [1 * 4 + 2, 3 * 4 + 1, 6 * 4 + 0, -1]
+    assert plan.seq_lens.tolist() == [3, 6, 9, 1] and plan.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    assert plan.logits_index.tolist() == [0, 1, 2, 3]
+    assert plan.block_tables.tolist() == [[1, 9, 9], [2, 3, 9], [4, 5, 6], [9, 9, 9]]
+    with pytest.raises(ValueError, match="decode-only"):
+        buffers.pack(np.array(rows[:1]), np.array([0]), np.array([2]), np.ones(1, bool), [1, 2], lanes=2)
 
 
 # -- GPU: captured graphs ------------------------------------------------------------------------
