@@ -3,14 +3,20 @@ static torch cache, transformers' own continuous batching as the anchor, and the
 
     python benchmarks/bench_serve.py            # CUDA: Llama-3-8B-shaped model, bf16, batch 1-256
     python benchmarks/bench_serve.py --quick    # tiny model on the CPU (the smoke test runs this)
+    python benchmarks/bench_serve.py --skip handover --requests 256 --prompt 512 --new 256 \
+        --json benchmarks/results/serve-h200.json                   # the end-to-end target run
 
-Prints three tables:
+Every loop runs in two modes (--graphs picks): "eager" (every step a plain model call) and
+"graphs" (decode-only steps replay a CUDA graph per padded batch size; on the CPU the same padded
+runner without capture). Prints three tables:
 1. decode step: median time of one decode step of `batch` requests (every request one new token,
-   contexts of --prompt tokens), static cache vs kvcached in alternating rounds, and
-   tokens/s = batch / step time;
+   contexts of --prompt tokens), static cache vs kvcached in alternating rounds, each mode;
+   tokens/s = batch / step time, and the host time of a step outside its model call (outside
+   the graph replay: from the step's start to the launch and after it, not waiting for the
+   device);
 2. end to end: --requests requests of --prompt + --new tokens, greedy, tokens/s of the loop over
-   each cache and of ``model.generate_batch`` (transformers' paged cache with its built-in sdpa
-   attention, on the same weights) where this transformers runs it;
+   each cache in each mode and of ``model.generate_batch`` (transformers' paged cache with its
+   built-in sdpa attention, on the same weights) where this transformers runs it;
 3. handover: two processes, each serving the same model through the loop, share one global
    budget; the load moves from one to the other and back. Times from the shift to the losing
    instance having unmapped its memory, and to the receiving one having mapped most of the budget.
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import multiprocessing as mp
 import os
 import random
@@ -36,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 BLOCK_SIZE = 16
+MODES = {"eager": False, "graphs": True}        # ServingLoop's cuda_graphs per mode
 
 
 @dataclass
@@ -52,18 +60,20 @@ class Setup:
     page_bytes: int | None          # None: the default (KVCACHED_PAGE_SIZE_MB)
     budget_pages: int
     threads: int | None
+    modes: tuple[str, ...] = tuple(MODES)
 
 
 def setup_from(args) -> Setup:
+    modes = tuple(MODES) if args.graphs == "both" else ("graphs",) if args.graphs == "on" else ("eager",)
     if args.quick:
-        return Setup("cpu", "tiny", torch.float32, [1, 4], 8, 3, 2, 4, 8, 64 << 10, 16, 1)
+        return Setup("cpu", "tiny", torch.float32, [1, 4], 8, 3, 2, 4, 8, 64 << 10, 16, 1, modes)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     batches = [int(b) for b in args.batches.split(",")]
     if cuda:
         return Setup("cuda:0", "llama3-8b", torch.bfloat16, batches, args.prompt, args.steps, args.rounds,
-                     args.requests, args.new, None, args.budget_pages, None)
+                     args.requests, args.new, None, args.budget_pages, None, modes)
     return Setup("cpu", "tiny", torch.float32, batches, args.prompt, args.steps, args.rounds, args.requests,
-                 args.new, 64 << 10, args.budget_pages, 1)
+                 args.new, 64 << 10, args.budget_pages, 1, modes)
 
 
 def sync(device: str) -> None:
@@ -92,65 +102,85 @@ def make_caches(model, setup: Setup, num_blocks: int):
 
 # -- 1. decode step ------------------------------------------------------------------------------
 
-def decode_step_times(model, cache, setup: Setup, batch: int) -> list[float]:
-    """Seconds of each of setup.steps decode steps of `batch` requests (after prefill, 2 warm-up)."""
+def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list[tuple[float, float]]:
+    """(seconds, host seconds outside the model call) of each of setup.steps decode steps of
+    `batch` requests (after prefill and 2 warm-up steps, which capture the batch's graph)."""
     from kvcached.serving import ServingLoop
 
     warmup = 2
-    loop = ServingLoop(model, cache, max_batch_tokens=max(setup.prompt * batch, 1), max_running=batch)
-    for prompt in prompts(batch, setup.prompt, model.config.vocab_size, seed=batch):
-        loop.add_request(prompt, 1 + warmup + setup.steps)
-    while loop.stats.generated_tokens < batch:          # prefill: every request has its first token
-        loop.step()
-    for _ in range(warmup):
-        loop.step()
-    times = []
-    for _ in range(setup.steps):
-        sync(setup.device)
-        start = time.perf_counter()
-        loop.step()                                     # ends with the sampled tokens on the host
-        times.append(time.perf_counter() - start)
-    assert not loop.has_work(), loop.stats
-    return times
+    new = 1 + warmup + setup.steps
+    loop = ServingLoop(model, cache, max_batch_tokens=max(setup.prompt * batch, 1), max_running=batch,
+                       max_tokens=setup.prompt + new, cuda_graphs=MODES[mode])
+    try:
+        for prompt in prompts(batch, setup.prompt, model.config.vocab_size, seed=batch):
+            loop.add_request(prompt, new)
+        while loop.stats.generated_tokens < batch:      # prefill: every request has its first token
+            loop.step()
+        for _ in range(warmup):
+            loop.step()
+        times = []
+        for _ in range(setup.steps):
+            sync(setup.device)
+            start = time.perf_counter()
+            loop.step()                                 # ends with the sampled tokens on the host
+            elapsed = time.perf_counter() - start
+            s = loop.stats
+            times.append((elapsed, s.last_step_s - s.last_forward_s - s.last_wait_s))
+        assert not loop.has_work(), loop.stats
+        assert mode == "eager" or loop.stats.runner_steps >= setup.steps, loop.stats
+        return times
+    finally:
+        loop.close()
 
 
 def bench_decode(model, caches, setup: Setup) -> list[dict]:
-    """Per batch size, setup.rounds rounds alternating which cache goes first (host-side drift
-    falls on both), the median over every timed step of a cache."""
+    """Per batch size, setup.rounds rounds alternating the order of the runs (host-side drift
+    falls on all), the median over every timed step of a cache and mode."""
     rows = []
-    names = list(caches)
+    names = [(cache, mode) for mode in setup.modes for cache in caches]
     for batch in setup.batches:
-        times: dict[str, list[float]] = {name: [] for name in names}
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {name: [] for name in names}
         for round_ in range(setup.rounds):
-            for name in names if round_ % 2 == 0 else names[::-1]:
-                times[name] += decode_step_times(model, caches[name], setup, batch)
-        row = {"batch": batch, **{name: statistics.median(t) for name, t in times.items()}}
-        rows.append(row)
-        print(f"  batch {batch}: static {row['static'] * 1e3:.2f} ms, kvcached {row['kvcached'] * 1e3:.2f} ms",
-              flush=True)
+            for cache, mode in names if round_ % 2 == 0 else names[::-1]:
+                times[cache, mode] += decode_step_times(model, caches[cache], setup, batch, mode)
+        for (cache, mode), t in times.items():
+            row = {"batch": batch, "cache": cache, "mode": mode, "step_s": statistics.median(x for x, _ in t),
+                   "host_outside_s": statistics.median(h for _, h in t)}
+            rows.append(row)
+            print(f"  batch {batch}: {cache} {mode} {row['step_s'] * 1e3:.2f} ms "
+                  f"(host outside the model call {row['host_outside_s'] * 1e3:.3f} ms)", flush=True)
     return rows
 
 
 def print_decode(rows: list[dict]) -> None:
-    print("\n| batch | static ms/step | kvcached ms/step | kvcached/static | static tok/s | kvcached tok/s |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("\n| batch | cache | mode | ms/step | tok/s | host ms outside the model call |")
+    print("|---:|---|---|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['static'] * 1e3:.2f} | {r['kvcached'] * 1e3:.2f} | "
-              f"{r['kvcached'] / r['static']:.3f} | {r['batch'] / r['static']:.0f} | {r['batch'] / r['kvcached']:.0f} |")
+        print(f"| {r['batch']} | {r['cache']} | {r['mode']} | {r['step_s'] * 1e3:.2f} | {r['batch'] / r['step_s']:.0f} | "
+              f"{r['host_outside_s'] * 1e3:.3f} |")
 
 
 # -- 2. end to end, with transformers' continuous batching as the anchor --------------------------
 
-def run_loop(model, cache, work: list[list[int]], new: int) -> tuple[float, dict]:
+def run_loop(model, cache, work: list[list[int]], new: int, mode: str) -> tuple[float, dict, dict]:
+    """(seconds, tokens by request, stats) of one loop serving `work` to the end."""
     from kvcached.serving import ServingLoop
 
-    loop = ServingLoop(model, cache, max_batch_tokens=4096, max_running=len(work))
-    for prompt in work:
-        loop.add_request(prompt, new)
-    sync(str(next(model.parameters()).device))
-    start = time.perf_counter()
-    results = loop.run_until_done()
-    return time.perf_counter() - start, results
+    loop = ServingLoop(model, cache, max_batch_tokens=4096, max_running=len(work),
+                       max_tokens=max(map(len, work)) + new, cuda_graphs=MODES[mode])
+    try:
+        for prompt in work:
+            loop.add_request(prompt, new)
+        loop.capture_graphs()                           # at start-up, as an engine does (CUDA only)
+        sync(str(next(model.parameters()).device))
+        start = time.perf_counter()
+        results = loop.run_until_done()
+        seconds = time.perf_counter() - start
+        s = loop.stats
+        return seconds, results, {"steps": s.steps, "runner_steps": s.runner_steps, "graph_replays": s.graph_replays,
+                                  "preemptions": s.preemptions}
+    finally:
+        loop.close()
 
 
 def run_generate_batch(model, work: list[list[int]], new: int, setup: Setup) -> tuple[float | None, str]:
@@ -189,20 +219,27 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def bench_end_to_end(model, caches, setup: Setup) -> list[tuple[str, float | None, str]]:
+def bench_end_to_end(model, caches, setup: Setup) -> list[dict]:
     work = prompts(setup.requests, setup.prompt, model.config.vocab_size, seed=1)
     tokens = setup.requests * setup.new
     rows = []
     outputs = {}
     for cache in caches.values():                       # warm-up: kernels compiled, allocator pools filled
-        run_loop(model, cache, work[:2], 2)
-    for name, cache in caches.items():
-        seconds, outputs[name] = run_loop(model, cache, work, setup.new)
-        rows.append((f"loop + {name}", tokens / seconds, f"{seconds:.2f} s"))
-    same = outputs["static"] == outputs["kvcached"]
-    rows.append(("(tokens identical, kvcached vs static)", None, str(same)))
+        for mode in setup.modes:
+            run_loop(model, cache, work[:2], 2, mode)
+    for mode in setup.modes:
+        for name, cache in caches.items():
+            seconds, outputs[name, mode], stats = run_loop(model, cache, work, setup.new, mode)
+            rows.append({"runner": f"loop + {name}, {mode}", "tokens_per_s": tokens / seconds, "seconds": seconds,
+                         "note": f"{seconds:.2f} s, {stats['steps']} steps, {stats['graph_replays']} graph replays, "
+                                 f"{stats['runner_steps']} padded decode steps, {stats['preemptions']} preemptions"})
+    first = next(iter(outputs.values()))
+    same = all(out == first for out in outputs.values())
+    rows.append({"runner": f"(tokens identical across {', '.join('/'.join(k) for k in outputs)})",
+                 "tokens_per_s": None, "note": str(same)})
     seconds, note = run_generate_batch(model, work, setup.new, setup)
-    rows.append(("generate_batch (paged, sdpa)", tokens / seconds if seconds else None, note))
+    rows.append({"runner": "generate_batch (paged, sdpa)", "tokens_per_s": tokens / seconds if seconds else None,
+                 "seconds": seconds, "note": note})
     return rows
 
 
@@ -210,8 +247,9 @@ def print_end_to_end(rows, setup: Setup) -> None:
     print(f"\nend to end: {setup.requests} requests x ({setup.prompt} prompt + {setup.new} new) tokens, greedy")
     print("| runner | new tokens/s | note |")
     print("|---|---:|---|")
-    for name, rate, note in rows:
-        print(f"| {name} | {'' if rate is None else f'{rate:.0f}'} | {note} |")
+    for r in rows:
+        rate = r["tokens_per_s"]
+        print(f"| {r['runner']} | {'' if rate is None else f'{rate:.0f}'} | {r['note']} |")
 
 
 # -- 3. elastic handover between two instances -----------------------------------------------------
@@ -383,6 +421,9 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64, help="new tokens per request, end to end")
     parser.add_argument("--budget-pages", type=int, default=16, help="global budget of the handover, in page ids")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,e2e,handover")
+    parser.add_argument("--graphs", choices=("both", "on", "off"), default="both",
+                        help="loop modes to run: both (eager and graphs, side by side), on (graphs) or off (eager)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     setup = setup_from(args)
     skip = set(filter(None, args.skip.split(",")))
@@ -394,19 +435,25 @@ def main() -> None:
 
     print(f"bench_serve: {setup.preset} ({setup.dtype}) on {setup.device}, torch {torch.__version__}, "
           f"transformers {_transformers_version()}, block size {BLOCK_SIZE}", flush=True)
+    results: dict = {"setup": {"device": setup.device, "preset": setup.preset, "dtype": str(setup.dtype),
+                               "batches": setup.batches, "prompt": setup.prompt, "steps": setup.steps,
+                               "rounds": setup.rounds, "requests": setup.requests, "new": setup.new,
+                               "modes": list(setup.modes), "torch": torch.__version__,
+                               "transformers": _transformers_version()}}
     if not {"decode", "e2e"} <= skip:
         start = time.perf_counter()
         model = build_model("llama", preset=setup.preset, dtype=setup.dtype, device=setup.device)
         print(f"model built in {time.perf_counter() - start:.1f} s", flush=True)
         num_blocks = max(blocks_for(max(setup.batches), setup.prompt + setup.steps + 4),
-                         blocks_for(setup.requests, setup.prompt + setup.new))
+                         blocks_for(setup.requests, setup.prompt + setup.new)) + 1     # + a loop's pad block
         caches = make_caches(model, setup, num_blocks)
         print(f"{num_blocks} blocks per cache; kvcached layout {caches['kvcached'].manager.layout}", flush=True)
         if "e2e" not in skip:
-            rows = bench_end_to_end(model, caches, setup)
-            print_end_to_end(rows, setup)
+            results["end_to_end"] = bench_end_to_end(model, caches, setup)
+            print_end_to_end(results["end_to_end"], setup)
         if "decode" not in skip:
-            print_decode(bench_decode(model, caches, setup))
+            results["decode"] = bench_decode(model, caches, setup)
+            print_decode(results["decode"])
         for cache in caches.values():
             cache.close()
         del model, caches
@@ -414,7 +461,11 @@ def main() -> None:
         if setup.device.startswith("cuda"):
             torch.cuda.empty_cache()
     if "handover" not in skip:
-        print_handover(bench_handover(setup))
+        results["handover"] = bench_handover(setup)
+        print_handover(results["handover"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+        print(f"results written to {args.json}")
 
 
 if __name__ == "__main__":

@@ -85,9 +85,12 @@ def _serve(spec: InstanceSpec, conn) -> None:
     init_kvcached(device=spec.device, page_size_bytes=w.page_size_bytes)
     model = build_model(spec.family, preset=w.preset, dtype=dtype, device=spec.device, seed=spec.seed)
     cache = ElasticKVCache(model.config, w.num_blocks, block_size=w.block_size, dtype=dtype, device=spec.device)
+    # On CUDA decode steps replay CUDA graphs (the loop's default), captured here before the load
+    # comes; the loop's pad block keeps one page of the instance mapped while it is idle.
     loop = ServingLoop(model, cache, max_running=w.max_running)
     loop.add_request([1] * w.block_size, 2)     # warm-up: the first step compiles and loads kernels
     loop.run_until_done()
+    loop.capture_graphs()
     conn.send(("ready", {"pid": os.getpid(), "ipc_name": cache.manager.ipc_name,
                          "page_bytes": cache.manager.page_bytes,
                          "capacity_bytes": cache.manager.num_pages * cache.manager.page_bytes,

@@ -6,11 +6,14 @@
 - ``ElasticKVCache(config, num_blocks, block_size=, dtype=, device=, kv_layout=, group_id=,
   pool_name=)``: kvcached tensors + a KVCacheManager (``.manager`` takes limits);
   ``StaticKVCache(...)``: a torch slab and a free list, the baseline. Both are PagedKVCache.
-- ``ServingLoop(model, cache, max_batch_tokens=, max_running=)``: ``add_request(prompt_ids,
-  max_new_tokens) -> id``, ``step() -> finished Requests``, ``run_until_done() -> {id: tokens}``
-  (``LoopStalledError`` when no request can progress), ``take_finished()``, ``has_work()``,
-  ``abort(id)``, ``check_invariants()``, ``stats`` (LoopStats: running, waiting, finished,
-  preemptions, generated_tokens, tokens_per_s, ...).
+- ``ServingLoop(model, cache, max_batch_tokens=, max_running=, max_tokens=, cuda_graphs=)``:
+  ``add_request(prompt_ids, max_new_tokens) -> id``, ``step() -> finished Requests``,
+  ``run_until_done() -> {id: tokens}`` (``LoopStalledError`` when no request can progress),
+  ``take_finished()``, ``has_work()``, ``abort(id)``, ``check_invariants()``, ``capture_graphs()``,
+  ``close()`` (gives the pad block back; also ``with``), ``stats`` (LoopStats: running, waiting,
+  finished, preemptions, generated_tokens, tokens_per_s, runner_steps, graph_replays, ...).
+  Steps are packed into persistent buffers (``StepBuffers``); decode-only steps replay a CUDA
+  graph per padded batch size (``DecodeRunner``, ``decode_buckets``; on by default on CUDA).
 - Tensor parallelism: ``shard_model(model, rank, world_size, group=, reduce_dtype=)`` keeps one
   rank's heads and MLP columns; ``shard_config(model.config, model.kvcached_shard)`` is what that rank's KV cache
   is built from; ``TensorParallelLoop(model, cache, group=)`` (a ServingLoop) runs on rank 0 and
@@ -19,7 +22,9 @@
 """
 
 from .attention import ATTENTION_NAME, STEP_KWARG, StepMetadata
+from .buffers import StepBuffers
 from .cache import ElasticKVCache, PagedKVCache, StaticKVCache, kv_geometry
+from .graphs import DecodeRunner, decode_buckets
 from .loop import LoopStalledError, LoopStats, Request, ServingLoop
 from .model import FAMILIES, PRESETS, build_model, model_config
 from .plan import StepPlan
@@ -31,6 +36,7 @@ __all__ = [
            "FAMILIES",
            "PRESETS",
            "STEP_KWARG",
+           "DecodeRunner",
            "ElasticKVCache",
            "LoopStalledError",
            "LoopStats",
@@ -39,11 +45,13 @@ __all__ = [
            "ServingLoop",
            "Shard",
            "StaticKVCache",
+           "StepBuffers",
            "StepMetadata",
            "StepPlan",
            "TensorParallelLoop",
            "TensorParallelWorker",
            "build_model",
+           "decode_buckets",
            "kv_geometry",
            "model_config",
            "shard_config",

@@ -2,23 +2,29 @@
 
 Each step packs every scheduled request's new tokens into one batch-1 sequence with explicit
 position ids and runs the model once; attention finds each request's blocks through the step
-metadata (kvcached.serving.attention). Greedy decoding. See Note [Scheduling] and
-Note [Preemption].
+metadata (kvcached.serving.attention). The step's inputs are packed into persistent buffers
+(kvcached.serving.buffers); decode-only steps replay a CUDA graph (kvcached.serving.graphs).
+Greedy decoding. See Note [Scheduling], Note [Preemption] and Note [Pad block].
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Self
 
+import numpy as np
 import torch
 
 from kvcached.checks import as_int
 
 from .attention import ATTENTION_NAME
+from .buffers import StepBuffers
+from .graphs import DecodeRunner
 from .plan import StepPlan
 
 RATE_WINDOW = 32                # steps over which stats.tokens_per_s is measured
@@ -36,6 +42,7 @@ class Request:
     num_cached: int = 0             # tokens whose K/V are in the cache
     most_cached: int = 0            # the most tokens it ever had cached (progress: Note [Stalls])
     preemptions: int = 0
+    row: int = -1                   # its block-table row while running (kvcached.serving.buffers)
 
     @property
     def generated(self) -> list[int]:
@@ -59,6 +66,11 @@ class LoopStats:
     step_tokens: int = 0            # tokens the last step ran through the model
     last_step_s: float = 0.0
     tokens_per_s: float = 0.0       # generated tokens per second over the last RATE_WINDOW steps
+    runner_steps: int = 0           # decode steps run by the padded decode runner (graphs or not)
+    graph_replays: int = 0          # of those, CUDA graph replays
+    eager_steps: int = 0            # steps whose model call ran eagerly (prefill, mixed, graphs off)
+    last_forward_s: float = 0.0     # host time of the last step's model call (the replay's launch)
+    last_wait_s: float = 0.0        # time the last step waited for the device's tokens
 
 
 class LoopStalledError(RuntimeError):
@@ -101,7 +113,16 @@ class ServingLoop:
 
     The model must be built with ``attn_implementation=kvcached.serving.ATTENTION_NAME``
     (``build_model`` does). max_batch_tokens caps the tokens of one step (prompts are prefilled in
-    chunks within it); max_running caps the requests in flight.
+    chunks within it); max_running caps the requests in flight; max_tokens caps prompt + new
+    tokens of one request (None: what the cache and the model's positions allow; it sets the
+    width of the block tables every step carries).
+
+    cuda_graphs: decode-only steps run through a runner of static, padded buffers, a CUDA graph
+    per padded batch size (kvcached.serving.graphs). None turns it on for a model on CUDA, off
+    elsewhere; True on the CPU runs the same runner eagerly (no capture: what CPU tests check).
+    With it the loop holds one block of the cache, the pad block, until close() (Note [Pad
+    block]). ``capture_graphs()`` captures every batch size up front; otherwise each is captured
+    on its first use.
 
     A step that raises (the model call: device out of memory, a kernel error, Ctrl-C; or the
     cache's alloc) changes no request's tokens or cached count: call step() or run_until_done()
@@ -111,7 +132,8 @@ class ServingLoop:
     KVCachedClosedError.
     """
 
-    def __init__(self, model, cache, *, max_batch_tokens: int = 2048, max_running: int = 256):
+    def __init__(self, model, cache, *, max_batch_tokens: int = 2048, max_running: int = 256,
+                 max_tokens: int | None = None, cuda_graphs: bool | None = None):
         implementation = getattr(model.config, "_attn_implementation", None)
         if implementation != ATTENTION_NAME:
             raise ValueError(f"the model runs attn_implementation={implementation!r}; build it with "
@@ -122,8 +144,23 @@ class ServingLoop:
         self.max_batch_tokens = as_int(max_batch_tokens, "max_batch_tokens", minimum=1, error=ValueError)
         self.max_running = as_int(max_running, "max_running", minimum=1, error=ValueError)
         self.device = next(model.parameters()).device
-        self.max_tokens = min(cache.num_blocks * cache.block_size,
-                              getattr(model.config, "max_position_embeddings", 1 << 62))
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        blocks = cache.num_blocks - 1 if cuda_graphs else cache.num_blocks     # the pad block is not a request's
+        most = min(blocks * cache.block_size, getattr(model.config, "max_position_embeddings", 1 << 62))
+        self.max_tokens = most if max_tokens is None else as_int(
+            max_tokens, "max_tokens", minimum=1, maximum=most, error=ValueError,
+            hint="the cache's blocks (but the pad block) x block_size and the model's max_position_embeddings "
+                 "bound it")
+        self.buffers = StepBuffers(max_running=self.max_running,
+                                   max_tokens_per_step=max(self.max_batch_tokens, self.max_running),
+                                   width=-(-max(self.max_tokens, 1) // cache.block_size), block_size=cache.block_size,
+                                   device=self.device)
+        self.runner = DecodeRunner(model, cache, self.max_running, capture=self.device.type == "cuda") \
+            if cuda_graphs else None
+        self.pad_block: int | None = None       # See Note [Pad block]
+        if self.runner is not None:
+            self._take_pad_block()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.stats = LoopStats()
@@ -143,8 +180,9 @@ class ServingLoop:
             raise ValueError("prompt_ids is empty; a request needs at least one prompt token")
         if len(tokens) + max_new_tokens > self.max_tokens:
             raise ValueError(f"prompt of {len(tokens)} tokens + max_new_tokens={max_new_tokens} exceeds the "
-                             f"{self.max_tokens} tokens one request can hold (cache blocks x block_size, "
-                             f"max_position_embeddings); shorten it or give the cache more blocks")
+                             f"{self.max_tokens} tokens one request can hold (the loop's max_tokens, at most the "
+                             f"cache's blocks x block_size and max_position_embeddings); shorten it, or give the "
+                             f"loop a larger max_tokens or the cache more blocks")
         request = Request(self._next_id, tokens, len(tokens), max_new_tokens)
         self._next_id += 1
         self.waiting.append(request)
@@ -162,6 +200,7 @@ class ServingLoop:
                 if request.id == request_id:
                     self._release(request)          # first: if the free raises, the request stays
                     queue.remove(request)
+                    self._give_row(request)
                     self.stats.running, self.stats.waiting = len(self.running), len(self.waiting)
                     return True
         return False
@@ -169,10 +208,11 @@ class ServingLoop:
     def check_invariants(self) -> None:
         """Raise AssertionError unless every request's state agrees with its queue and no block id
         is held twice, then check the cache's own invariants. O(requests + blocks); for tests,
-        after any step, failed ones included."""
+        after any step, failed ones included. The pad block (Note [Pad block]) counts as held."""
         problems = []
         seen: set[int] = set()
-        held: set[int] = set()
+        held: set[int] = set() if self.pad_block is None else {self.pad_block}
+        rows: set[int] = set()
         size = self.cache.block_size
         queues = (("running", self.running), ("waiting", self.waiting), ("finished", self._finished))
         for name, queue in queues:
@@ -194,6 +234,12 @@ class ServingLoop:
                 if name == "waiting" and (request.num_cached or request.blocks):
                     problems.append(f"waiting request {request.id} has {request.num_cached} tokens cached in "
                                     f"{len(request.blocks)} blocks")
+                if (request.row >= 0) != (name == "running") or request.row in rows:
+                    problems.append(f"request {request.id} ({name}) has block-table row {request.row}")
+                elif name == "running":
+                    rows.add(request.row)
+                    if self.buffers.row(request.row)[:len(request.blocks)].tolist() != request.blocks:
+                        problems.append(f"request {request.id}'s block-table row is not its blocks")
         if len(self.running) > self.max_running:
             problems.append(f"{len(self.running)} running, max_running={self.max_running}")
         assert not problems, "; ".join(problems)
@@ -220,7 +266,12 @@ class ServingLoop:
         start = time.perf_counter()
         with _HeldInterrupt():
             batch = self._schedule()
-        sampled = self._run(batch) if batch else []     # raises: nothing was committed
+        sampled = []
+        if batch:
+            sampling = self._run(batch)                 # raises: nothing was committed
+            waiting = time.perf_counter()
+            sampled = list(zip(sampling, self.buffers.received_tokens(len(sampling))))
+            self.stats.last_wait_s = time.perf_counter() - waiting
         with _HeldInterrupt():
             done = self._commit(batch, sampled)
             self._account(batch, len(sampled), len(done), time.perf_counter() - start)
@@ -280,6 +331,7 @@ class ServingLoop:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            request.row = self.buffers.take_row(request.blocks)
             batch.append((request, n))
             budget -= n
         return batch
@@ -292,12 +344,15 @@ class ServingLoop:
         ids = self.cache.alloc(needed)
         if ids is None:
             return False
+        if request.row >= 0:
+            self.buffers.append(request.row, len(request.blocks), ids)
         request.blocks.extend(ids)
         return True
 
     def _preempt(self, request: Request) -> None:
         self._release(request)                  # first: if the free raises, nothing changed
         self.running.remove(request)
+        self._give_row(request)
         request.num_cached = 0
         request.preemptions += 1
         self.waiting.appendleft(request)
@@ -308,40 +363,91 @@ class ServingLoop:
             self.cache.free(request.blocks)
             request.blocks = []
 
+    def _give_row(self, request: Request) -> None:
+        if request.row >= 0:
+            self.buffers.give_row(request.row)
+            request.row = -1
+
+    # -- the pad block and the graphs ------------------------------------------------------------
+    def _take_pad_block(self) -> bool:
+        """Hold the pad block if not yet (the cache may have had none free before); whether the
+        loop holds it. See Note [Pad block]."""
+        if self.pad_block is None:
+            ids = self.cache.alloc(1)
+            if ids is None:
+                return False
+            self.pad_block = self.buffers.pad_block = ids[0]
+        return True
+
+    def capture_graphs(self) -> int:
+        """Capture the decode graph of every batch size not captured yet, largest first (they
+        share one memory pool); returns how many the loop holds. Does nothing where the runner
+        does not capture (cuda_graphs off, or not on CUDA). Raises RuntimeError when the cache
+        has no block free for the pad block (Note [Pad block])."""
+        runner = self.runner
+        if runner is None or not runner.capture:
+            return 0
+        if not self._take_pad_block():
+            raise RuntimeError("the cache has no free block for the loop's pad block (a limit or the global budget "
+                               "leaves none); capture the graphs before the cache fills, or raise the limit")
+        empty = np.zeros(0, np.int64)
+        for lanes in reversed(runner.buckets):
+            if lanes not in runner.graphs:
+                runner.run(self.buffers.pack(empty, empty, empty, np.zeros(0, bool), [], lanes=lanes))
+        return len(runner.graphs)
+
+    def close(self) -> None:
+        """Give the pad block back (unless the cache was closed: it went with it) and drop the
+        decode graphs; idempotent. Later steps run eagerly."""
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+        if self.pad_block is not None:
+            if not self.cache.closed:
+                self.cache.free([self.pad_block])
+            self.pad_block = None
+            self.buffers.pad_block = 0
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     # -- the model call -------------------------------------------------------------------------
-    def _run(self, batch: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
-        """One forward pass over the packed batch; returns (request, greedy token) for every
-        request whose last token was in it."""
-        block_size = self.cache.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        starts = [0]
-        keep: list[int] = []
-        sampling: list[Request] = []
-        width = max(len(request.blocks) for request, _ in batch)
-        tables = []
-        for request, n in batch:
-            first, end = request.num_cached, request.num_cached + n
-            input_ids.extend(request.tokens[first:end])
-            positions.extend(range(first, end))
-            blocks = request.blocks
-            slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(first, end))
-            seq_lens.append(end)
-            starts.append(starts[-1] + n)
-            tables.append(blocks + [0] * (width - len(blocks)))
-            if end == len(request.tokens):
-                keep.append(starts[-1] - 1)
-                sampling.append(request)
-        plan = StepPlan.build(input_ids, positions, slots, seq_lens, starts, keep, tables, self.device)
-        tokens = self._forward(plan).argmax(-1).tolist()
-        return list(zip(sampling, tokens))
+    def _run(self, batch: list[tuple[Request, int]]) -> list[Request]:
+        """Pack the step into the buffers, launch the model call and the greedy argmax, and start
+        copying the tokens to the host; returns the requests whose last token was in the step,
+        in the order of their tokens (StepBuffers.received_tokens)."""
+        count = len(batch)
+        rows = np.fromiter((request.row for request, _ in batch), np.int64, count)
+        first = np.fromiter((request.num_cached for request, _ in batch), np.int64, count)
+        counts = np.fromiter((n for _, n in batch), np.int64, count)
+        sample = np.fromiter((request.num_cached + n == len(request.tokens) for request, n in batch), bool, count)
+        token_ids = list(itertools.chain.from_iterable(
+            request.tokens[request.num_cached:request.num_cached + n] for request, n in batch))
+        sampling = [request for request, _ in itertools.compress(batch, sample)]
+        decode = self.runner is not None and len(token_ids) == count and len(sampling) == count
+        if decode and self._take_pad_block():
+            plan = self.buffers.pack(rows, first, counts, sample, token_ids, lanes=self.runner.bucket(count))
+            launch = time.perf_counter()
+            replays = self.runner.replays
+            tokens = self.runner.run(plan)
+            self.stats.runner_steps += 1
+            self.stats.graph_replays += self.runner.replays - replays
+        else:
+            plan = self.buffers.pack(rows, first, counts, sample, token_ids)
+            launch = time.perf_counter()
+            tokens = self._forward(plan).argmax(-1)
+            self.stats.eager_steps += 1
+        self.stats.last_forward_s = time.perf_counter() - launch
+        self.buffers.send_tokens(tokens)
+        return sampling
 
     def _commit(self, batch: list[tuple[Request, int]], sampled: list[tuple[Request, int]]) -> list[Request]:
         """After a model call that returned: the batch's K/V count as cached, the sampled tokens
         are appended, and the requests they complete move from running to the finished ones.
-        Returns those (their blocks still held). Raises nothing."""
+        Returns those (their blocks still held, their block-table rows given back). Raises nothing."""
         further = False
         for request, n in batch:
             request.num_cached += n
@@ -353,6 +459,7 @@ class ServingLoop:
         done = [request for request, _ in sampled if request.done]
         for request in done:
             self.running.remove(request)
+            self._give_row(request)
             self._finished.append(request)
         if further or sampled:
             self._progress += 1
@@ -427,3 +534,23 @@ class ServingLoop:
 # and prefilled the same chunk, forever (600-2700 preemptions per 30 s), while the old check saw
 # a step run every other step and never fired. The newest request is the one preempted, so the
 # oldest always gets further unless even it alone does not fit: then run_until_done raises.
+#
+# Note [Pad block]
+# A padded decode step (kvcached.serving.graphs) has lanes no request owns; each reads the first
+# slot of its block-table row, so that row must name a block that is mapped whenever a graph
+# replays, whatever limits, budgets and trims unmap in between. The loop takes one block from
+# the cache for it (cache.alloc(1), at construction, or at the first decode step if the cache had
+# none free then: until it has one, decode steps run eagerly) and holds it until close(), which
+# frees it (a closed cache took it along). It shows as one block handed out in the cache's
+# counts (and a request can hold one block fewer than the cache has: max_tokens says so);
+# check_invariants counts it as held, by no request. Only a loop with cuda_graphs takes
+# it: eager steps read no table entry past a request's blocks (Note [Block table contract] in
+# kvcached.ops.attention), so there the padding entries are never read and a loop without the
+# runner holds no memory while idle. Entries past a request's blocks hold the pad block too (0
+# before the loop holds one); nothing reads them.
+#
+# Note [Device sync]
+# A step waits for the device once: for its greedy tokens, before the commit (StepBuffers
+# .received_tokens; Note [Step buffers]). Besides giving the commit the token values, that wait
+# is what makes the frees after it safe: the blocks of finished and preempted requests go back
+# (and their pages may be unmapped) only once the device finished every step that read them.

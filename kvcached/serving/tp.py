@@ -9,8 +9,6 @@ same block ids. See Note [Leader and workers].
 
 from __future__ import annotations
 
-from typing import Self
-
 import torch
 import torch.distributed as dist
 
@@ -45,16 +43,21 @@ class TensorParallelLoop(ServingLoop):
     cannot be redone: the workers wait inside it. Every later step raises RuntimeError, the
     requests stay on the loop as they were, and close() sends nothing. See Note [Leader and workers].
 
+    Its steps run eagerly (no CUDA graphs, See Note [Decode graphs] in kvcached.serving.graphs),
+    packed into the same persistent buffers as ServingLoop's.
+
     Raises ValueError when the model is not split for this rank (rank 0 of the group), or the
     cache holds another number of KV heads than the shard.
     """
 
-    def __init__(self, model, cache, *, group=None, max_batch_tokens: int = 2048, max_running: int = 256):
+    def __init__(self, model, cache, *, group=None, max_batch_tokens: int = 2048, max_running: int = 256,
+                 max_tokens: int | None = None):
         shard = _shard_of(model, cache, group, "TensorParallelLoop")
         if shard.rank != 0:
             raise ValueError(f"TensorParallelLoop runs on rank 0 of the group, this is rank {shard.rank}; "
                              f"run TensorParallelWorker(model, cache).run() there")
-        super().__init__(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running)
+        super().__init__(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running,
+                         max_tokens=max_tokens, cuda_graphs=False)
         self.group = group
         self.closed = False
         self.failed: str | None = None  # the exception of a step that failed once sent
@@ -87,12 +90,7 @@ class TensorParallelLoop(ServingLoop):
             self.closed = True
             if self.failed is None:
                 self._send(STOP, (0,) * NUM_SIZES)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+        super().close()
 
 
 class TensorParallelWorker:
@@ -108,6 +106,16 @@ class TensorParallelWorker:
         self.group = group
         self.device = next(model.parameters()).device
         self.steps = 0
+        self._data = torch.empty(0, dtype=torch.int64, device=self.device)    # grows to the largest step
+
+    def _receive(self, sizes: tuple[int, int, int, int]) -> StepPlan:
+        """The leader's plan, broadcast into a prefix of one buffer kept across steps."""
+        length = StepPlan.data_len(sizes)
+        if self._data.numel() < length:
+            self._data = torch.empty(length, dtype=torch.int64, device=self.device)
+        data = self._data[:length]
+        dist.broadcast(data, group=self.group, group_src=0)
+        return StepPlan(sizes, data)
 
     def run(self) -> int:
         """Follow the leader until it closes; returns the number of steps run."""
@@ -119,9 +127,7 @@ class TensorParallelWorker:
                 return self.steps
             if command != STEP:
                 raise RuntimeError(f"unknown command {command} from the leader (expected {STEP} or {STOP})")
-            data = torch.empty(StepPlan.data_len(tuple(sizes)), dtype=torch.int64, device=self.device)
-            dist.broadcast(data, group=self.group, group_src=0)
-            StepPlan(tuple(sizes), data).forward(self.model, self.cache, logits=False)
+            self._receive(tuple(sizes)).forward(self.model, self.cache, logits=False)
             self.steps += 1
 
 
