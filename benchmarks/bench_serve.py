@@ -46,6 +46,12 @@ BLOCK_SIZE = 16
 MODES = {"eager": False, "graphs": True}        # ServingLoop's cuda_graphs per mode
 
 
+def mixed_prompt(setup) -> int:
+    """The prompt a mixed step prefills beside the decoding batch: 512 tokens (4 prompts' worth
+    on the CPU's quick run)."""
+    return min(512, 4 * setup.prompt)
+
+
 @dataclass
 class Setup:
     device: str
@@ -133,6 +139,40 @@ def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list
         loop.close()
 
 
+def mixed_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list[float]:
+    """Seconds of setup.steps mixed steps: `batch` requests decoding and one new request's whole
+    mixed_prompt(setup)-token prompt prefilled in the same step (the normal step of continuous batching;
+    eager in both modes, the decode requests' graphs cannot take a prefill)."""
+    from kvcached.serving import ServingLoop
+
+    new = 3 + 2 * setup.steps
+    loop = ServingLoop(model, cache, max_batch_tokens=max(setup.prompt * batch, batch + mixed_prompt(setup) + setup.steps),
+                       max_running=batch + setup.steps, max_tokens=max(setup.prompt, mixed_prompt(setup)) + new,
+                       cuda_graphs=MODES[mode])
+    try:
+        for prompt in prompts(batch, setup.prompt, model.config.vocab_size, seed=batch):
+            loop.add_request(prompt, new)
+        while loop.stats.generated_tokens < batch:      # prefill: every request has its first token
+            loop.step()
+        loop.step()
+        joining = prompts(setup.steps + 1, mixed_prompt(setup), model.config.vocab_size, seed=-batch)
+        loop.add_request(joining[-1], 2)
+        loop.step()                                     # warm-up: the kernels of a mixed step compiled
+        times = []
+        for prompt in joining[:-1]:
+            loop.add_request(prompt, 2)
+            sync(setup.device)
+            start = time.perf_counter()
+            loop.step()
+            times.append(time.perf_counter() - start)
+            assert loop.stats.step_tokens >= mixed_prompt(setup), loop.stats
+        return times
+    finally:
+        for request in [*loop.running, *loop.waiting]:
+            loop.abort(request.id)
+        loop.close()
+
+
 def bench_decode(model, caches, setup: Setup) -> list[dict]:
     """Per batch size, setup.rounds rounds alternating the order of the runs (host-side drift
     falls on all), the median over every timed step of a cache and mode."""
@@ -144,20 +184,23 @@ def bench_decode(model, caches, setup: Setup) -> list[dict]:
             for cache, mode in names if round_ % 2 == 0 else names[::-1]:
                 times[cache, mode] += decode_step_times(model, caches[cache], setup, batch, mode)
         for (cache, mode), t in times.items():
+            mixed = mixed_step_times(model, caches[cache], setup, batch, mode)
             row = {"batch": batch, "cache": cache, "mode": mode, "step_s": statistics.median(x for x, _ in t),
-                   "host_outside_s": statistics.median(h for _, h in t)}
+                   "host_outside_s": statistics.median(h for _, h in t), "mixed_step_s": statistics.median(mixed)}
             rows.append(row)
             print(f"  batch {batch}: {cache} {mode} {row['step_s'] * 1e3:.2f} ms "
-                  f"(host outside the model call {row['host_outside_s'] * 1e3:.3f} ms)", flush=True)
+                  f"(host outside the model call {row['host_outside_s'] * 1e3:.3f} ms); with a {mixed_prompt(setup)}-token "
+                  f"prefill joined {row['mixed_step_s'] * 1e3:.2f} ms", flush=True)
     return rows
 
 
-def print_decode(rows: list[dict]) -> None:
-    print("\n| batch | cache | mode | ms/step | tok/s | host ms outside the model call |")
-    print("|---:|---|---|---:|---:|---:|")
+def print_decode(rows: list[dict], setup: Setup) -> None:
+    print(f"\n| batch | cache | mode | ms/step | tok/s | host ms outside the model call | ms/step with a "
+          f"{mixed_prompt(setup)}-token prefill joined |")
+    print("|---:|---|---|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['batch']} | {r['cache']} | {r['mode']} | {r['step_s'] * 1e3:.2f} | {r['batch'] / r['step_s']:.0f} | "
-              f"{r['host_outside_s'] * 1e3:.3f} |")
+              f"{r['host_outside_s'] * 1e3:.3f} | {r['mixed_step_s'] * 1e3:.2f} |")
 
 
 # -- 2. end to end, with transformers' continuous batching as the anchor --------------------------
@@ -195,7 +238,8 @@ def run_generate_batch(model, work: list[list[int]], new: int, setup: Setup) -> 
     if "continuous_batching_config" in inspect.signature(model.generate_batch).parameters:
         from transformers import ContinuousBatchingConfig
 
-        sizing = {"num_blocks": blocks_for(len(work), setup.prompt + new) + 64, "max_batch_tokens": 4096}
+        page = getattr(ContinuousBatchingConfig(), "page_size", None) or BLOCK_SIZE     # tokens per block there
+        sizing = {"num_blocks": len(work) * -(-(setup.prompt + new) // page) + 64, "max_batch_tokens": 4096}
         kwargs["continuous_batching_config"] = ContinuousBatchingConfig(**sizing)
     model.set_attn_implementation("sdpa")
     try:
@@ -226,7 +270,7 @@ def bench_end_to_end(model, caches, setup: Setup) -> list[dict]:
     outputs = {}
     for cache in caches.values():                       # warm-up: kernels compiled, allocator pools filled
         for mode in setup.modes:
-            run_loop(model, cache, work[:2], 2, mode)
+            run_loop(model, cache, work[:20], 3, mode)  # (prefill, mixed and decode steps of up to 20)
     for mode in setup.modes:
         for name, cache in caches.items():
             seconds, outputs[name, mode], stats = run_loop(model, cache, work, setup.new, mode)
@@ -444,8 +488,9 @@ def main() -> None:
         start = time.perf_counter()
         model = build_model("llama", preset=setup.preset, dtype=setup.dtype, device=setup.device)
         print(f"model built in {time.perf_counter() - start:.1f} s", flush=True)
-        num_blocks = max(blocks_for(max(setup.batches), setup.prompt + setup.steps + 4),
-                         blocks_for(setup.requests, setup.prompt + setup.new)) + 1     # + a loop's pad block
+        mixed = blocks_for(max(setup.batches), setup.prompt + 2 * setup.steps + 3) \
+            + blocks_for(setup.steps + 1, mixed_prompt(setup) + 2)                      # a mixed step's run
+        num_blocks = max(mixed, blocks_for(setup.requests, setup.prompt + setup.new)) + 1     # + a loop's pad block
         caches = make_caches(model, setup, num_blocks)
         print(f"{num_blocks} blocks per cache; kvcached layout {caches['kvcached'].manager.layout}", flush=True)
         if "e2e" not in skip:
@@ -453,7 +498,7 @@ def main() -> None:
             print_end_to_end(results["end_to_end"], setup)
         if "decode" not in skip:
             results["decode"] = bench_decode(model, caches, setup)
-            print_decode(results["decode"])
+            print_decode(results["decode"], setup)
         for cache in caches.values():
             cache.close()
         del model, caches

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from test_serving import FAMILIES, NUM_BLOCKS, expected, serving_model, workload
 from test_serving_faults import Injected, failing, fault_points, serve_stepping
 
-from kvcached import core, init_kvcached
+from kvcached import core, init_kvcached, shutdown_kvcached
 from kvcached.serving import ElasticKVCache, ServingLoop, StaticKVCache, StepBuffers, build_model
 from kvcached.serving.graphs import decode_buckets
 
@@ -234,7 +234,9 @@ def gpu_workload(seed: int, count: int = 24) -> list[tuple[int, list[int], int]]
 def gpu_serve(model, requests, *, graphs: bool, capture: bool = True, squeeze: bool = False):
     """Serve over an ElasticKVCache on cuda:0. `squeeze` gives it 48 blocks (a 2 MiB page holds
     every block of the tiny model, so a limit would not bite: a full cache preempts instead) and
-    trims the pool every 5 steps. Returns (tokens by index, stats)."""
+    trims the pool every 5 steps. Each call initialises kvcached and shuts it down (a group's
+    tensors are made once per runtime). Returns (tokens by index, stats)."""
+    init_kvcached(device="cuda:0")
     cache = ElasticKVCache(model.config, 48 if squeeze else 1024, block_size=16, dtype=torch.bfloat16,
                            device="cuda:0")
     loop = ServingLoop(model, cache, max_running=20, cuda_graphs=graphs)
@@ -257,7 +259,7 @@ def gpu_serve(model, requests, *, graphs: bool, capture: bool = True, squeeze: b
         return results, loop.stats
     finally:
         loop.close()
-        cache.close()
+        shutdown_kvcached()
 
 
 @pytest.mark.gpu
@@ -269,7 +271,6 @@ def test_gpu_graphs_match_the_uncaptured_runner(kv_env, family, squeeze):
     shapes, same order: bit-identical tokens), with preemptions (blocks freed and handed out
     again) and trims between replays when squeezed; the graphs did replay."""
     kv_env(LAYOUT="auto")
-    init_kvcached(device="cuda:0")
     model = build_model(family, dtype=torch.bfloat16, device="cuda")
     requests = gpu_workload(seed=FAMILIES.index(family))
     eager, _ = gpu_serve(model, requests, graphs=True, capture=False, squeeze=squeeze)
@@ -286,7 +287,6 @@ def test_gpu_graphs_match_the_eager_loop(kv_env, family):
     """bf16: the graph loop against the plain eager loop (unpadded decode batches). Identical as
     long as the matmuls of a padded batch compute each row as the unpadded batch does."""
     kv_env(LAYOUT="auto")
-    init_kvcached(device="cuda:0")
     model = build_model(family, dtype=torch.bfloat16, device="cuda")
     requests = gpu_workload(seed=10 + FAMILIES.index(family))
     eager, eager_stats = gpu_serve(model, requests, graphs=False, squeeze=True)

@@ -24,7 +24,7 @@ TOKENS_PER_SPLIT_MIN = 512      # a split reads at least this many tokens (else 
 _TILE_BYTES = 16 << 10          # one K (or V) tile of BLOCK_N x D_PAD elements per pipeline stage
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "s_table"])     # See Note [One compile per model]
 def _decode_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, out_ptr, m_part_ptr, l_part_ptr, o_part_ptr,
                    scale_log2, window,
                    sq_seq, sq_head, sq_dim,
@@ -220,6 +220,16 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # multiprocessor. H200, 2026-11-30, 8 KV heads x 128, bf16, 1024 tokens, GB/s of K/V read
 # (copy rate 4264): 16 sequences 1834 unsplit, 2602 with 3 splits, 2620 with 4; 64 sequences
 # 3949 unsplit, 3628 with 2, 3282 with 4; 500 sequences 4329 unsplit, 4056 with 2.
+#
+# Note [One compile per model]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Triton compiles a kernel once per value class of each integer argument (1, a multiple of 16,
+# anything else) unless told not to. The arguments that change from step to step in a serving
+# loop (the number of requests, the block tables' row stride, the window, which layers of one
+# model differ in) are marked do_not_specialize: otherwise a batch that first reaches 16
+# requests, or a table that first grows to 16 columns, stalls its step for a compile (a second or
+# more on an H200). The strides of the caches and tokens stay specialised: they are fixed per
+# model and their divisibility is what lets the loads vectorise.
 #
 # Note [Cache base address]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
