@@ -3,7 +3,7 @@
 #   build in place, the `gpu` tests, the whole CPU suite, then the benchmarks on the GPU:
 #   bench_vmm, bench_alloc, bench_manager (JSON in $OUT), the pytest-benchmark suite
 #   ($OUT/bench_<date>_<commit>.json), and bench_handover / bench_sharing / bench_layout /
-#   bench_serve when they exist; the demo's PNG lands in $OUT too.
+#   bench_attention / bench_serve when they exist; the demo's PNG lands in $OUT too.
 #   About 5-7 minutes on the H200.
 # Every step logs to $OUT/<step>.log; a failing step does not stop the next; a summary ends it and
 # the exit status is the number of failed steps (0 = all passed).
@@ -104,7 +104,14 @@ step_bench_layout() {
 }
 
 step_bench_serve() {
-    "$PYTHON" benchmarks/bench_serve.py --device cuda --out "$OUT/bench_serve.json"
+    "$PYTHON" benchmarks/bench_serve.py --device cuda --skip handover --batches 64,256 --prompt 512 \
+        --json "$OUT/bench_serve.json" &&
+        "$PYTHON" benchmarks/bench_serve.py --device cuda --skip decode,handover --requests 256 --prompt 512 \
+            --new 256 --json "$OUT/bench_serve_e2e.json"
+}
+
+step_bench_attention() {
+    "$PYTHON" benchmarks/bench_attention.py --json "$OUT/bench_attention.json"
 }
 
 step_bench_handover() {
@@ -117,7 +124,7 @@ step_bench_sharing() {
 
 STEPS=(env build demo gpu_tests cpu_tests bench_vmm bench_alloc bench_manager pytest_bench)
 # others' benchmarks, when they exist
-for optional in bench_handover bench_sharing bench_layout bench_serve; do
+for optional in bench_handover bench_sharing bench_layout bench_attention bench_serve; do
     [[ -f "benchmarks/$optional.py" ]] && STEPS+=("$optional")
 done
 # GPU_CHECK_STEPS="gpu_tests bench_vmm" runs a subset (e.g. when already built).
