@@ -37,6 +37,7 @@ class _BlockAllocatorStats(TypedDict):
     num_allocs: int
     num_frees: int
     num_failed_allocs: int
+    num_failed_blocks: int  # blocks the failed allocs asked for (an n above total_blocks not counted)
     pages: _PageAllocatorStats
 
 # -- block allocator -----------------------------------------------------------------------------
