@@ -482,8 +482,10 @@ class KVCacheManager:
         """The page allocator's limit: the operator's limit or the budget's cap, the lower; -1
         for neither. A limit above the table caps nothing; clamped, it fits the allocator's C
         int. Assumes ``_limit_lock``."""
-        bounds = [b // self.page_bytes for b in (self._limit_bytes, self._cap_bytes) if b not in (NO_LIMIT, I64_MAX)]
-        return min(min(bounds), self._group.page_table.num_pages) if bounds else -1
+        bounds = [self._limit_bytes] if self._limit_bytes != NO_LIMIT else []
+        if self._cap_bytes != I64_MAX:
+            bounds.append(self._cap_bytes)
+        return min(min(bounds) // self.page_bytes, self._group.page_table.num_pages) if bounds else -1
 
     def _release_cached_handles(self) -> None:
         """Give the physical handles the backend keeps for reuse back to the device, so that a

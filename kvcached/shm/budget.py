@@ -912,8 +912,9 @@ class Budget:
 
     def set_demand(self, nbytes: int) -> None:
         """Publish the bytes this holder waits for beyond what it holds (0: none), with a
-        heartbeat: one pwrite under the flock. Kept until the next call; the other holders'
-        caps depend on it (Note [Caps that conserve work] in fairness).
+        heartbeat. Kept until the next call; the other holders' caps depend on it (Note [Caps
+        that conserve work] in fairness). Like the heartbeat, one pwrite without the flock
+        (Note [Shares without the flock]).
 
         Raises:
             ValueError: ``nbytes`` outside [0, I64_MAX] or not an int.
@@ -922,7 +923,7 @@ class Budget:
         nbytes = self._check_amount(nbytes)
         with self._lock:
             self._check_open()
-            self._write_own(_SLOT_HEARTBEAT, time.time_ns(), nbytes)
+            self._store_own(_SLOT_HEARTBEAT, time.time_ns(), nbytes)
 
     def set_share(self, weight: float, min_bytes: int) -> None:
         """Set this holder's weight (holders with unmet demand split what is left after the
@@ -938,6 +939,15 @@ class Budget:
         with self._lock:
             self._check_open()
             self._write_own(_SLOT_WEIGHT, *share)
+
+    def _store_own(self, field: int, *values: int) -> None:
+        """Store ``values`` from this slot's ``field`` on without the flock, if the slot is
+        still this handle's (checked by its token, as the heartbeat does). Assumes
+        ``self._lock``."""
+        seg = self._seg
+        seg.head()
+        self._check_slot(seg.slot(self._slot))
+        seg.write(_slot_word(self._slot, field), *values)
 
     def _write_own(self, field: int, *values: int) -> None:
         """Store ``values`` from this slot's ``field`` on, under the flock, if the slot is still
@@ -956,7 +966,8 @@ class Budget:
         with demand waiting, else I64_MAX (uncapped; always under first_come). Computed from
         one copy of the segment taken under the shared flock (O(slots), a /proc read per holder
         after the unlock); stored in the handle, where ``try_acquire`` enforces it, and into the
-        slot's cap field when it changed (for kvctl and kvtop).
+        slot's cap field when it changed, for kvctl and kvtop (one pwrite without the flock: Note
+        [Shares without the flock]).
 
         Raises:
             KVCachedError: the handle is closed or lost its slot, or the file is no budget.
@@ -968,7 +979,7 @@ class Budget:
             cap = snap.caps().get(self._slot, UNCAPPED)
             mine = next((h for h in snap.holders if h.slot == self._slot), None)
             if mine is not None and mine.cap_bytes != cap:
-                self._write_own(_SLOT_CAP, cap)
+                self._store_own(_SLOT_CAP, cap)
             self._cap = cap
             return cap
 
@@ -1085,6 +1096,16 @@ class Budget:
 # twice. The beat is one aligned store without the flock; it checks the slot's token first, so it
 # never refreshes a slot that was reclaimed and handed to another holder (but for the instant
 # between that check and the store).
+#
+# Note [Shares without the flock]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A holder's demand and its published cap are stored like its heartbeat: one pwrite into its own
+# slot, after checking the slot's token, without the flock. They are each one word that only
+# their holder writes, and nothing sums them (a cap computation reads each as one aligned word:
+# it sees the old value or the new one). Taking LOCK_EX for them would make the share job of
+# every manager, which runs on its process's poller with the publishing and heartbeat jobs, wait
+# for whoever holds the budget's shared lock (a kvctl snapshot), and the process's publishing
+# with it. The weight and minimum, set rarely, by the holder or an operator, take LOCK_EX.
 #
 # Note [No /proc under the flock]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
