@@ -417,3 +417,82 @@ def test_kvtop_in_a_terminal_shows_a_live_manager(managers):
         assert name.encode() in screen and used in screen, screen[-2000:]
         assert top.quit(WAIT_S) == 0
     assert name in {s.name for s in list_segments()}
+
+
+def sampled(budget_name: str) -> kb.BudgetSnapshot:
+    """The budget now, checked: never more held than the budget, the total the slots' sum."""
+    snap = read_budget(budget_name)
+    assert snap.held_bytes == sum(h.held_bytes for h in snap.holders) <= snap.budget_bytes, snap
+    return snap
+
+
+@pytest.mark.parametrize("weights,late_min_pages,hog_pages", [
+    (("1", "1"), 0, 8), (("3", "1"), 0, 12), (("1", "1"), 12, 4)], ids=["equal", "3to1", "minimum"])
+def test_fair_budget_moves_memory_to_the_waiting_instance(managers, budget_name, weights,
+                                                          late_min_pages, hog_pages):
+    """One instance holds the whole budget; another reports demand. The first is capped at its
+    fair share (equal weights: half; 3:1: 75 %; the other's minimum of 12 pages: 4 pages), its
+    reserved pool goes back at once, over_limit_blocks says how many blocks to free, and once
+    it frees them the other maps its share. The budget is never exceeded meanwhile."""
+    total = 16
+    env = {"KVCACHED_GLOBAL_BUDGET": budget_name}
+    hog = managers(unique_name("fhog"), "--blocks", "2048",
+                   env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1", "KVCACHED_SHARE_WEIGHT": weights[0]})
+    page, bpp = hog.info["page_bytes"], hog.info["blocks_per_page"]
+    assert kvctl("budget", budget_name, str(total * page)).returncode == 0
+    assert hog.ask(f"alloc {14 * bpp}")["ok"]
+    poll("the hog's pool filling the budget", lambda: sampled(budget_name).held_bytes == total * page)
+    late = managers(unique_name("flate"), "--blocks", "2048",
+                    env={**env, "KVCACHED_SHARE_WEIGHT": weights[1],
+                         "KVCACHED_SHARE_MIN": str(late_min_pages * page)})
+    assert late.ask(f"demand {total * bpp}")["ok"]
+
+    def hog_capped():
+        sampled(budget_name)
+        state = hog.ask("share")
+        return state["share"]["cap_bytes"] == hog_pages * page and state["reserved_pages"] == 0 and state
+
+    state = poll("the hog capped at its share, its pool given back", hog_capped)
+    assert state["share"]["share_bytes"] == hog_pages * page and state["share"]["policy"] == "fair"
+    assert state["over"] == (14 - hog_pages) * bpp
+    late_share = late.ask("share")["share"]
+    assert late_share["share_bytes"] == (total - hog_pages) * page and late_share["demand_bytes"] > 0
+    assert hog.ask(f"free_blocks {state['over']}")["held_blocks"] == hog_pages * bpp
+    assert poll("the hog within its cap", lambda: sampled(budget_name) and hog.ask("share")["over"] == 0)
+    late_pages = total - hog_pages
+    poll("the waiting instance maps its share",
+         lambda: sampled(budget_name) and late.ask(f"alloc {late_pages * bpp}")["ok"])
+    assert late.ask("demand 0")["ok"]
+    assert late.ask("share")["mapped_bytes"] >= late_pages * page
+    snap = sampled(budget_name)
+    assert {h.pid: h.held_bytes for h in snap.holders}[hog.pid] <= hog_pages * page
+
+
+def test_first_come_budget_caps_nobody(managers, budget_name):
+    """Under first_come an instance that holds the budget keeps it whatever others wait for."""
+    env = {"KVCACHED_GLOBAL_BUDGET": budget_name}
+    hog = managers(unique_name("chog"), "--blocks", "2048",
+                   env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1",
+                        "KVCACHED_GLOBAL_BUDGET_POLICY": "first_come"})
+    page, bpp = hog.info["page_bytes"], hog.info["blocks_per_page"]
+    assert kvctl("budget", budget_name, str(16 * page)).returncode == 0
+    assert hog.ask(f"alloc {14 * bpp}")["ok"]
+    poll("the hog's pool filling the budget", lambda: sampled(budget_name).held_bytes == 16 * page)
+    late = managers(unique_name("clate"), "--blocks", "2048", env=env)
+    assert late.ask(f"demand {16 * bpp}")["ok"]
+    poll("the demand published", lambda: any(h.demand_bytes for h in sampled(budget_name).holders))
+
+    def hog_beat_after(t_ns: int) -> int:
+        beat = next(h.heartbeat_ns for h in sampled(budget_name).holders if h.pid == hog.pid)
+        return beat if beat > t_ns else 0
+
+    # two share rounds of the hog after the demand showed: the first one completed
+    shown = time.time_ns()
+    beat = poll("a share round of the hog", lambda: hog_beat_after(shown))
+    poll("another share round of the hog", lambda: hog_beat_after(beat))
+    state = hog.ask("share")
+    assert state["share"]["policy"] == "first_come"
+    assert state["share"]["cap_bytes"] == kb.I64_MAX and state["over"] == 0
+    assert state["reserved_pages"] == 2
+    assert not late.ask(f"alloc {bpp}")["ok"]
+    assert sampled(budget_name).held_bytes == 16 * page
