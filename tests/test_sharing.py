@@ -18,11 +18,12 @@ import time
 
 import pytest
 
-from _procs import ENV, KvtopTerminal, kvctl, unique_name, wait_until
+from _procs import ENV, KvtopTerminal, kvctl, run_module, unique_name, wait_until
 from kvcached.errors import KVCachedError
 from kvcached.shm import budget as kb
 from kvcached.shm.budget import delete_budget, read_budget
 from kvcached.shm.client import list_segments, read_segment
+from kvcached.sizes import format_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_sharing_procs.py")
@@ -455,6 +456,12 @@ def test_fair_budget_moves_memory_to_the_waiting_instance(managers, budget_name,
     state = poll("the hog capped at its share, its pool given back", hog_capped)
     assert state["share"]["share_bytes"] == hog_pages * page and state["share"]["policy"] == "fair"
     assert state["over"] == (14 - hog_pages) * bpp
+    if weights == ("1", "1") and not late_min_pages:     # what kvctl and kvtop show of it
+        (record,) = [r for r in json.loads(kvctl("list", "--json").stdout) if r["name"] == hog.name]
+        assert [(b["budget"], b["share_bytes"]) for b in record["budgets"]] == [(budget_name, hog_pages * page)]
+        frame = run_module("kvcached.cli.kvtop", "--once", "--width", "300").stdout
+        (line,) = [ln for ln in frame.splitlines() if ln.startswith(hog.name + " ")]
+        assert f"share {format_bytes(hog_pages * page)}" in line, line
     late_share = late.ask("share")["share"]
     assert late_share["share_bytes"] == (total - hog_pages) * page and late_share["demand_bytes"] > 0
     assert hog.ask(f"free_blocks {state['over']}")["held_blocks"] == hog_pages * bpp
