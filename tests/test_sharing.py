@@ -503,3 +503,54 @@ def test_first_come_budget_caps_nobody(managers, budget_name):
     assert state["reserved_pages"] == 2
     assert not late.ask(f"alloc {bpp}")["ok"]
     assert sampled(budget_name).held_bytes == 16 * page
+
+
+def test_refused_allocations_are_demand(monkeypatch, budget_name):
+    """Two managers of one process hold two slots of one budget: the one whose alloc is refused
+    publishes those blocks as demand without report_demand, and the other is capped at half."""
+    from kvcached import KVCacheManager, config, init_kvcached, shutdown_kvcached
+    from kvcached.errors import KVCachedArgumentError
+
+    monkeypatch.setenv("KVCACHED_GLOBAL_BUDGET", budget_name)
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    config.reload_settings()
+    init_kvcached(device="cpu", page_size_bytes=64 << 10)
+    try:
+        page = (64 << 10) * 2 * 2                   # a page id maps 2 layers x K, V of 64 KiB
+        kb.set_budget(budget_name, 8 * page)
+        first = KVCacheManager(1024, 16, 64, 2, pool_name="first")
+        assert first.page_bytes == page
+        bpp = 1024 // first.num_pages
+        second = KVCacheManager(1024, 16, 64, 2, group_id=1, pool_name="second")
+        for bad in (-1, 1.5, True, "3"):
+            with pytest.raises(KVCachedArgumentError, match="blocks="):
+                second.report_demand(bad)
+        held = first.alloc(8 * bpp)
+        assert held is not None and second.alloc(4 * bpp) is None
+        wait_until(lambda: second.share()["demand_bytes"] > 0, what="the refused blocks published")
+        wait_until(lambda: first.share()["cap_bytes"] == 4 * page, what="the first capped at half")
+        assert first.over_limit_blocks() == 4 * bpp and second.over_limit_blocks() == 0
+        assert first.alloc(1) is None                               # beyond its cap
+        first.free(held[4 * bpp:])
+        wait_until(lambda: second.alloc(4 * bpp) is not None, what="the second mapping its share")
+        assert read_budget(budget_name).held_bytes == 8 * page
+    finally:
+        shutdown_kvcached()
+        monkeypatch.undo()
+        config.reload_settings()
+
+
+def test_share_is_none_without_a_budget():
+    from kvcached import KVCacheManager, init_kvcached, shutdown_kvcached
+
+    init_kvcached(device="cpu", page_size_bytes=64 << 10)
+    try:
+        m = KVCacheManager(1024, 16, 64, 2)
+        m.report_demand(3)                      # kept, and no effect
+        assert m.share() is None and m.over_limit_blocks() == 0
+        m.set_memory_limit(2 * m.page_bytes, revision=1)
+        ids = m.alloc(4 * (1024 // m.num_pages))
+        assert ids is None or m.over_limit_blocks() == 0
+    finally:
+        shutdown_kvcached()

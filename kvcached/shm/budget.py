@@ -679,7 +679,9 @@ class Budget:
 
     Lock contract: public methods take ``self._lock`` (threads of this process) and then the
     segment's flock (other processes); private ones assume both, except ``_beat`` (the heartbeat
-    job's one pwrite) and ``free_bytes`` (one pread), which take neither.
+    job's one pwrite; a capped handle's beat then calls ``cap_bytes``) and ``free_bytes`` (one
+    pread), which take neither, and ``_store_own`` (``set_demand``'s and the published cap's
+    pwrite), which assumes ``self._lock`` only (Note [Shares without the flock]).
 
     Use ``Budget.open``; acquire in batches (several pages per call) on the allocator's path.
     A handle belongs to the process that opened it: a forked child must open its own (it would
