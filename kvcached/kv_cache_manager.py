@@ -580,7 +580,7 @@ class KVCacheManager:
         the limit path (the pool trimmed first). A failed round is logged by the poller."""
         budget = self._budget
         assert budget is not None, "the share job runs only under a budget"
-        failed = self._blocks.stats()["num_failed_blocks"]
+        failed = self._blocks.num_failed_blocks     # no lock: a free may hold it, waiting on the budget
         refused, self._failed_blocks_seen = failed - self._failed_blocks_seen, failed
         budget.set_demand(min(I64_MAX, max(self._reported_demand, refused) * self._bytes_per_block))
         cap = budget.cap_bytes()
@@ -787,7 +787,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # operator's. over_limit_blocks tells an engine what to preempt so the memory moves now.
 # Refused blocks are counted by the core (num_failed_blocks, next to num_failed_allocs, under the
 # allocator's lock it already holds on that path), so the bound C alloc stays one call: counting
-# in Python would need a wrapper on every alloc. A refused request the engine retries every step
+# in Python would need a wrapper on every alloc. The job reads the counter without that lock: a
+# free holds it while its unmapped pages' bytes go back to the budget, which waits for the
+# budget's flock, and the poller's other jobs (the publishing) must not wait behind that. A refused request the engine retries every step
 # counts each time, overstating demand within a round; that only widens this instance's share up
 # to its weighted slice, and stops as soon as its allocations succeed.
 #

@@ -475,6 +475,31 @@ def test_fair_budget_moves_memory_to_the_waiting_instance(managers, budget_name,
     assert {h.pid: h.held_bytes for h in snap.holders}[hog.pid] <= hog_pages * page
 
 
+@pytest.mark.slow
+def test_fair_budget_under_churn_is_never_exceeded(managers, budget_name):
+    """Four processes allocate and free for ~2 s under a fair budget of a quarter of what they
+    could map: caps come and go, every block keeps its stamp, every instance gets memory, and
+    the budget is never exceeded at a sampled moment."""
+    env = {"KVCACHED_GLOBAL_BUDGET": budget_name}
+    first = managers(unique_name("fch0"), "--blocks", "1024",
+                     env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1"})
+    page, num_pages = first.info["page_bytes"], first.info["num_pages"]
+    assert kvctl("budget", budget_name, str(num_pages * page)).returncode == 0
+    procs = [first] + [managers(unique_name(f"fch{i}"), "--blocks", "1024", env=env) for i in range(1, 4)]
+    for i, p in enumerate(procs):
+        p.send(f"churn 2.0 {i}")
+    samples = 0
+    while any(not select.select([p.popen.stdout], [], [], 0.005)[0] for p in procs):  # until all answered
+        sampled(budget_name)
+        samples += 1
+    results = [p.read() for p in procs]
+    assert samples > 0 and all(r["allocs"] > 0 and r["checks"] > 0 for r in results), results
+    for p in procs:
+        assert p.ask("close") == {"closed": True}
+    snap = sampled(budget_name)
+    assert (snap.held_bytes, snap.holders) == (0, ())
+
+
 def test_first_come_budget_caps_nobody(managers, budget_name):
     """Under first_come an instance that holds the budget keeps it whatever others wait for."""
     env = {"KVCACHED_GLOBAL_BUDGET": budget_name}

@@ -93,6 +93,10 @@ class BlockAllocator(BlockSlots):
     debug_checks: bool
     """Run check_invariants() after every public call."""
     @property
+    def num_failed_blocks(self) -> int:
+        """The blocks failed allocs asked for, ever; read without the allocator's lock (a
+        manager's share job polls it: Note [Fair share] in kv_cache_manager)."""
+    @property
     def lifecycle(self) -> _Lifecycle:
         """"closed" after close(), "forked" in a forked child: then methods raise KVCachedClosedError."""
 

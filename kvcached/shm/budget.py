@@ -188,10 +188,10 @@ class _Segment:
     file another program truncates faults, see Note [A segment changed by another process] in
     segment). Callers hold its flock to change it."""
 
-    def __init__(self, name: str, path: str) -> None:
+    def __init__(self, name: str, path: str, open_path: str | None = None) -> None:
         self.name, self.path = name, path
         try:
-            self.fd = os.open(path, os.O_RDWR)
+            self.fd = os.open(open_path or path, os.O_RDWR)
         except FileNotFoundError:
             raise KVCachedError(
                 f"no budget named {name!r} ({path} does not exist); create it with "
@@ -304,6 +304,12 @@ class _Segment:
         finally:
             self.unlock()
         return _parse(self.name, self.path, raw)
+
+    def reopen(self) -> _Segment:
+        """The same file (not the file now at its path) in a new open file description, whose
+        flock excludes this one's as another process's would. See Note [Shares without the
+        flock]."""
+        return _Segment(self.name, self.path, f"/proc/self/fd/{self.fd}")
 
     def close(self) -> None:
         os.close(self.fd)
@@ -680,17 +686,22 @@ class Budget:
     Lock contract: public methods take ``self._lock`` (threads of this process) and then the
     segment's flock (other processes); private ones assume both, except ``_beat`` (the heartbeat
     job's one pwrite; a capped handle's beat then calls ``cap_bytes``) and ``free_bytes`` (one
-    pread), which take neither, and ``_store_own`` (``set_demand``'s and the published cap's
-    pwrite), which assumes ``self._lock`` only (Note [Shares without the flock]).
+    pread), which take neither. The share side (``set_demand``, ``set_share``, ``cap_bytes``)
+    takes ``self._share_lock`` instead, and the flock of its own open file description
+    (``_share_seg``), so it never waits for an acquisition of another thread (Note [Shares
+    without the flock]); ``close`` takes ``_share_lock`` and then ``_lock``, and nothing takes
+    them the other way round.
 
     Use ``Budget.open``; acquire in batches (several pages per call) on the allocator's path.
     A handle belongs to the process that opened it: a forked child must open its own (it would
     share the parent's flock, which then excludes nothing).
     """
 
-    def __init__(self, segment: _Segment, slot: int, token: int) -> None:
+    def __init__(self, segment: _Segment, share_segment: _Segment, slot: int, token: int) -> None:
         self.name, self.path = segment.name, segment.path
         self._seg = segment
+        self._share_seg = share_segment   # set_demand, set_share, cap_bytes: under _share_lock
+        self._share_lock = threading.Lock()
         self._slot = slot
         self._token = token
         self._held = 0
@@ -734,16 +745,22 @@ class Budget:
                 f"no budget named {name!r}: create it (`kvctl budget {name} 40G`) or pass "
                 "budget_bytes to create it on first use")
         seg = _Segment(name, path)
+        try:
+            share_seg = seg.reopen()
+        except BaseException:
+            seg.close()
+            raise
         token = int.from_bytes(os.urandom(7), "little") + 1
         slot = cls._claim(seg, token, share)
         if slot is None:
             slot = cls._claim(seg, token, share, dead=seg.find_dead())  # /proc outside the flock
         if slot is None:
             seg.close()
+            share_seg.close()
             raise KVCachedError(
                 f"budget {name!r} has no free slot: {NUM_SLOTS} handles of live processes hold "
                 "one each; close unused handles (Budget.close)")
-        return cls(seg, slot, token)
+        return cls(seg, share_seg, slot, token)
 
     @staticmethod
     def _claim(seg: _Segment, token: int, share: tuple[int, int],
@@ -923,7 +940,7 @@ class Budget:
             KVCachedError: the handle is closed or lost its slot, or the file is no budget.
         """
         nbytes = self._check_amount(nbytes)
-        with self._lock:
+        with self._share_lock:
             self._check_open()
             self._store_own(_SLOT_HEARTBEAT, time.time_ns(), nbytes)
 
@@ -938,23 +955,23 @@ class Budget:
             KVCachedError: the handle is closed or lost its slot, or the file is no budget.
         """
         share = check_weight(weight), _check_size("min_bytes", min_bytes)
-        with self._lock:
+        with self._share_lock:
             self._check_open()
             self._write_own(_SLOT_WEIGHT, *share)
 
     def _store_own(self, field: int, *values: int) -> None:
         """Store ``values`` from this slot's ``field`` on without the flock, if the slot is
         still this handle's (checked by its token, as the heartbeat does). Assumes
-        ``self._lock``."""
-        seg = self._seg
+        ``self._share_lock``."""
+        seg = self._share_seg
         seg.head()
         self._check_slot(seg.slot(self._slot))
         seg.write(_slot_word(self._slot, field), *values)
 
     def _write_own(self, field: int, *values: int) -> None:
         """Store ``values`` from this slot's ``field`` on, under the flock, if the slot is still
-        this handle's. Assumes ``self._lock``."""
-        seg = self._seg
+        this handle's. Assumes ``self._share_lock``."""
+        seg = self._share_seg
         seg.lock()
         try:
             seg.head()
@@ -974,10 +991,10 @@ class Budget:
         Raises:
             KVCachedError: the handle is closed or lost its slot, or the file is no budget.
         """
-        with self._lock:
+        with self._share_lock:
             self._check_open()
-            snap = self._seg.snapshot()
-            self._check_slot(self._seg.slot(self._slot))   # still ours: its figures are ours
+            snap = self._share_seg.snapshot()
+            self._check_slot(self._share_seg.slot(self._slot))   # still ours: its figures are ours
             cap = snap.caps().get(self._slot, UNCAPPED)
             mine = next((h for h in snap.holders if h.slot == self._slot), None)
             if mine is not None and mine.cap_bytes != cap:
@@ -1035,7 +1052,7 @@ class Budget:
         """
         if pid_now[0] == self._pid:
             self._heartbeat.cancel()  # after this no heartbeat touches the handle
-        with self._lock:
+        with self._share_lock, self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -1056,6 +1073,7 @@ class Budget:
                     seg.unlock()
             self._held = 0
             seg.close()
+            self._share_seg.close()
 
     def __enter__(self) -> Budget:
         return self
@@ -1108,6 +1126,12 @@ class Budget:
 # every manager, which runs on its process's poller with the publishing and heartbeat jobs, wait
 # for whoever holds the budget's shared lock (a kvctl snapshot), and the process's publishing
 # with it. The weight and minimum, set rarely, by the holder or an operator, take LOCK_EX.
+# For the same reason the share side has its own threading lock and its own open file
+# description of the budget (reopened through /proc/self/fd: the same file, even if the path
+# was replaced since): with the handle's one lock, the share job would wait behind an
+# allocation thread that holds it while it waits for LOCK_EX, itself waiting for a reader's
+# LOCK_SH to end; a flock taken on a second description excludes the first as another
+# process's would (on one description, a second thread's flock would convert the first's).
 #
 # Note [No /proc under the flock]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
