@@ -85,6 +85,16 @@ def _size(text: str) -> int:
     return parse_size(text)
 
 
+def _weight(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError("must be a number in [0.001, 1000000]") from None
+    if not 0.001 <= value <= 1e6:              # NaN fails this too
+        raise ValueError("must be in [0.001, 1000000]")
+    return value
+
+
 MAX_NAME_BYTES = 200        # most UTF-8 bytes of an instance or budget name (kvcached.shm.files)
 
 
@@ -122,6 +132,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Name of a shared budget segment; instances naming the same one never map more in sum."),
     Setting("KVCACHED_GLOBAL_BUDGET_BYTES", _size, None,
             f"Size of the global budget, used when this instance creates it: {SIZE_HELP}."),
+    Setting("KVCACHED_GLOBAL_BUDGET_POLICY", _choice(("fair", "first_come")), "fair",
+            "How the holders of a global budget share it, used when this instance creates it: fair "
+            "(weighted max-min shares, enforced while someone waits) or first_come."),
+    Setting("KVCACHED_SHARE_WEIGHT", _weight, 1.0,
+            "This instance's weight in a fair global budget: holders with unmet demand share it in "
+            "proportion to their weights."),
+    Setting("KVCACHED_SHARE_MIN", _size, 0,
+            f"Bytes of a fair global budget guaranteed to this instance as far as it wants them: {SIZE_HELP}."),
     Setting("KVCACHED_LOG_LEVEL", _choice(LOG_LEVELS, upper=True), "WARNING",
             "Logging level of the kvcached logger."),
     Setting("KVCACHED_DEBUG_CHECKS", _bool, False,
@@ -191,6 +209,9 @@ class Settings:
     ipc_name: str | None
     global_budget: str | None
     global_budget_bytes: int | None
+    global_budget_policy: str
+    share_weight: float
+    share_min: int
     log_level: str
     debug_checks: bool
     tp_timeout_s: float

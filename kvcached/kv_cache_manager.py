@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from . import config
 from ._steps import Steps
 from .checks import as_int
-from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError
+from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError, KVCachedError
 from .limits import I64_MAX, NO_LIMIT, classify_limit_request
 from .shm.owner import MemInfoTracker
 from .shm.poller import POLLER, Job
@@ -36,6 +36,7 @@ logger = logging.getLogger("kvcached")
 
 _UNITS = {"bytes": 1, "b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 PUBLISH_INTERVAL_S = 0.01
+SHARE_INTERVAL_S = 0.05             # demand published and the budget cap read this often (Note [Fair share])
 MAX_LIMIT_BYTES = I64_MAX           # what the segment's limit field (int64) holds, as kvctl accepts
 MAX_REVISION = I64_MAX              # what the segment's revision field (int64) holds
 _HOT_PATH = ("alloc", "free", "alloc_into", "free_from", "available_size")
@@ -181,6 +182,7 @@ class KVCacheManager:
     _budget: Budget | None
     _tracker: MemInfoTracker | None
     _publisher: Job | None                  # publishing on the process's poller (tracker on)
+    _sharer: Job | None                     # the fair-share round on the poller (budget on)
 
     def __init__(self, num_blocks: int, block_size: int, cell_size: int, num_layers: int, world_size: int = 1,
                  pp_rank: int = 0, async_sched: bool = False, reserve_null_block: bool = False,
@@ -217,9 +219,12 @@ class KVCacheManager:
         self._closed_reason: str | None = "the manager is being constructed"
         self._forked = False
         self._pid = os.getpid()
-        self._budget = self._tracker = self._publisher = None
+        self._budget = self._tracker = self._publisher = self._sharer = None
         self._limit_lock = threading.Lock()
         self._limit_bytes = NO_LIMIT
+        self._cap_bytes = I64_MAX           # the budget's cap: none (Note [Fair share])
+        self._reported_demand = 0           # report_demand's blocks
+        self._failed_blocks_seen = 0        # the allocator's num_failed_blocks at the last round
         self._limit_revision = 0
         self._limit_status = "applied"
         _all_managers.add(self)
@@ -269,6 +274,9 @@ class KVCacheManager:
             self._tracker.start_watcher(self._apply_limit)
             self._publisher = POLLER.every(PUBLISH_INTERVAL_S, self._publish, f"manager of group {self.group_id}: "
                                            f"publishing to segment {self._tracker.name}")
+        if self._budget is not None:
+            self._sharer = POLLER.every(SHARE_INTERVAL_S, self._share_round, f"manager of group {self.group_id}: "
+                                        f"fair share of budget {self._budget.name}")
         self._pages.start()
 
     def _refuse_more_blocks_than_tensors(self) -> None:
@@ -335,7 +343,9 @@ class KVCacheManager:
     def _attach_budget(self, name: str) -> None:
         from .shm.budget import Budget
 
-        self._budget = Budget.open(name, config.settings().global_budget_bytes)
+        settings = config.settings()
+        self._budget = Budget.open(name, settings.global_budget_bytes, policy=settings.global_budget_policy,
+                                   weight=settings.share_weight, min_bytes=settings.share_min)
         # Cached handles hold device memory the budget no longer counts: no cache under a budget.
         self._group.page_table.backend.set_handle_cache_capacity(0)
         if self.world_size == 1:
@@ -461,14 +471,21 @@ class KVCacheManager:
             if kind in ("stale", "conflict"):
                 return self._limit_state(kind)
             if kind == "new":
-                # A limit above the table caps nothing; clamped, it fits the allocator's C int.
-                self._pages.set_limit_pages(-1 if limit_bytes == NO_LIMIT else
-                                            min(limit_bytes // self.page_bytes, self._group.page_table.num_pages))
                 self._limit_bytes, self._limit_revision = limit_bytes, revision
+                self._pages.set_limit_pages(self._limit_pages())
                 if limit_bytes != NO_LIMIT:
                     self._release_cached_handles()
             self._limit_status = "applied" if self._limit_met() else "deferred"
             return self._limit_state(self._limit_status)
+
+    def _limit_pages(self) -> int:
+        """The page allocator's limit: the operator's limit or the budget's cap, the lower; -1
+        for neither. A limit above the table caps nothing; clamped, it fits the allocator's C
+        int. Assumes ``_limit_lock``."""
+        bounds = [self._limit_bytes] if self._limit_bytes != NO_LIMIT else []
+        if self._cap_bytes != I64_MAX:
+            bounds.append(self._cap_bytes)
+        return min(min(bounds) // self.page_bytes, self._group.page_table.num_pages) if bounds else -1
 
     def _release_cached_handles(self) -> None:
         """Give the physical handles the backend keeps for reuse back to the device, so that a
@@ -506,6 +523,72 @@ class KVCacheManager:
         if self._limit_status == "deferred" and self._limit_met():   # tracker off: no publisher
             self._limit_status = "applied"
         return self._limit_status
+
+    # -- fair share of a global budget (Note [Fair share]) -------------------------------------
+    def report_demand(self, blocks: int) -> None:
+        """Tell the budget how many blocks this engine wants beyond what it holds (its waiting
+        requests' needs), for engines that check before they allocate and so never see alloc
+        return None. Kept until the next call; 0 clears it. Published within SHARE_INTERVAL_S
+        (the larger of this and the blocks refused since the last round). Without a global
+        budget it is kept and has no effect.
+
+        Raises KVCachedArgumentError (a ValueError and a TypeError) for anything but an int in
+        [0, I64_MAX]; nothing is changed then."""
+        blocks = as_int(blocks, "blocks", minimum=0, maximum=I64_MAX, hint="blocks wanted beyond those held",
+                        error=KVCachedArgumentError)
+        self._check_open()
+        self._reported_demand = blocks
+
+    def over_limit_blocks(self) -> int:
+        """Blocks this engine holds beyond what its current limit (the operator's, or the
+        budget's cap while another instance waits for its fair share; the lower) lets its pages
+        hold; 0 if none. What the engine should free (preempt) now, so that the memory moves at
+        once instead of when its next allocation fails. O(1)."""
+        self._check_open()
+        with self._limit_lock:
+            limit_pages = self._limit_pages()
+        if limit_pages < 0:
+            return 0
+        stats = self._blocks.stats()
+        fits = limit_pages * stats["total_blocks"] // max(1, self.num_pages)
+        return max(0, stats["allocated"] + stats["held"] - fits)
+
+    def share(self) -> dict | None:
+        """This instance's place in its global budget: policy, weight, min_bytes, demand_bytes
+        (as last published), share_bytes (its fair share now) and cap_bytes (the cap in force:
+        I64_MAX when uncapped), as one read of the budget computes them. None without a global
+        budget. O(slots)."""
+        self._check_open()
+        if self._budget is None:
+            return None
+        snap = self._budget.snapshot()
+        mine = next((h for h in snap.holders if h.slot == self._budget.slot), None)
+        if mine is None:
+            raise KVCachedError(f"budget {self._budget.name!r}: this manager's slot was taken away (the budget "
+                                "was deleted or reset while in use); restart the instance")
+        return {"policy": snap.policy, "weight": mine.weight, "min_bytes": mine.min_bytes,
+                "demand_bytes": mine.demand_bytes, "share_bytes": mine.share_bytes,
+                "cap_bytes": self._cap_bytes}
+
+    @property
+    def _bytes_per_block(self) -> int:
+        """Budget bytes one block costs: every layer, K and V, every rank (as the gate counts)."""
+        return self.block_bytes * self.num_layers * self.num_kv_buffers * self.world_size
+
+    def _share_round(self) -> None:
+        """The share job: publish demand, read the cap, apply it to the page allocator through
+        the limit path (the pool trimmed first). A failed round is logged by the poller."""
+        budget = self._budget
+        assert budget is not None, "the share job runs only under a budget"
+        failed = self._blocks.num_failed_blocks     # no lock: a free may hold it, waiting on the budget
+        refused, self._failed_blocks_seen = failed - self._failed_blocks_seen, failed
+        budget.set_demand(min(I64_MAX, max(self._reported_demand, refused) * self._bytes_per_block))
+        cap = budget.cap_bytes()
+        with self._limit_lock:
+            if self._closed_reason is not None or cap == self._cap_bytes:
+                return
+            self._cap_bytes = cap
+            self._pages.set_limit_pages(self._limit_pages())
 
     # -- introspection -------------------------------------------------------------------------
     def get_mapped_memory_size(self, unit: str = "bytes") -> float:
@@ -602,6 +685,8 @@ class KVCacheManager:
         steps = Steps()
         if self._publisher is not None:
             self._publisher.cancel()            # a publish in progress finishes first
+        if self._sharer is not None:
+            self._sharer.cancel()               # so does a share round
         if self._tracker is not None:
             steps.run(self._tracker.close)      # ends its jobs: no limit is applied after this
         if hasattr(self, "_blocks"):
@@ -690,6 +775,23 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # Revisions order limit changes from several operators: a revision below the current one is
 # "stale", the same revision with another limit a "conflict"; neither changes anything. A higher
 # limit lets the pool grow back to its minimum; a limit of 0 drains an idle manager completely.
+#
+# Note [Fair share]
+# Under a global budget of the fair policy (kvcached.shm.fairness) the manager takes part in the
+# sharing by itself: every SHARE_INTERVAL_S a job on the process's poller publishes its demand
+# (the blocks report_demand gave, or those alloc refused since the last round, the larger, in
+# budget bytes), computes its cap from the budget and applies it to the page allocator with the
+# operator's limit, the lower of the two, through the limit path: the reserved pool is trimmed at
+# once (fenced unmaps), live pages go as they empty, and alloc returns None beyond it. The cap is
+# internal: the operator's limit, its revisions and status, and what the tracker shows stay the
+# operator's. over_limit_blocks tells an engine what to preempt so the memory moves now.
+# Refused blocks are counted by the core (num_failed_blocks, next to num_failed_allocs, under the
+# allocator's lock it already holds on that path), so the bound C alloc stays one call: counting
+# in Python would need a wrapper on every alloc. The job reads the counter without that lock: a
+# free holds it while its unmapped pages' bytes go back to the budget, which waits for the
+# budget's flock, and the poller's other jobs (the publishing) must not wait behind that. A refused request the engine retries every step
+# counts each time, overstating demand within a round; that only widens this instance's share up
+# to its weighted slice, and stops as soon as its allocations succeed.
 #
 # Note [Tensor-parallel manager]
 # Under tensor parallelism (init_kvcached with world_size > 1) the manager lives on the scheduling

@@ -339,6 +339,14 @@ def role_budget_hog(args: argparse.Namespace) -> None:
     sys.stdin.read()
 
 
+def role_budget_demand(args: argparse.Namespace) -> None:
+    """Hold nothing of a budget and wait for ``demand`` bytes of it (Budget.set_demand)."""
+    budget = Budget.open(args.name)
+    budget.set_demand(args.demand)
+    print("READY", flush=True)
+    sys.stdin.read()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="role", required=True)
@@ -381,6 +389,10 @@ def main() -> None:
     p.add_argument("name")
     p.add_argument("bytes", type=int)
     p.set_defaults(run=role_budget_hog)
+    p = sub.add_parser("budget-demand")
+    p.add_argument("name")
+    p.add_argument("demand", type=int)
+    p.set_defaults(run=role_budget_demand)
     args = parser.parse_args()
     args.run(args)
 

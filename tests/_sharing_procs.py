@@ -10,6 +10,10 @@ command per stdin line, answering each with one JSON line:
   churn SECONDS SEED -> random alloc/free for SECONDS; {"allocs", "refused", "frees", "checks"}
   state              -> {"mapped_bytes", "limit", "stats", "held_blocks"}
   limit BYTES REV    -> what set_memory_limit returned
+  demand BLOCKS      -> {"ok": true}  (report_demand)
+  free_blocks N      -> {"held_blocks": int}  (the N most recently allocated blocks freed)
+  share              -> {"share": share(), "over": over_limit_blocks(), "mapped_bytes",
+                         "reserved_pages", "held_blocks"}
   close              -> {"closed": true}  (shutdown_kvcached: every page unmapped)
 
 It exits (shutting kvcached down) when stdin closes. Every block handed out is stamped with a
@@ -87,6 +91,15 @@ class Worker:
         while self.held:
             self.free(len(self.held) - 1)
 
+    def free_blocks(self, n: int) -> None:
+        while n > 0:
+            ids, stamp = self.held[-1]
+            if len(ids) > n:          # free the tail of the last allocation, keep its head
+                self.held[-1] = (ids[:-n], stamp)
+                self.held.append((ids[-n:], stamp))
+            n -= len(self.held[-1][0])
+            self.free(len(self.held) - 1)
+
     def held_blocks(self) -> int:
         return sum(len(ids) for ids, _ in self.held)
 
@@ -130,6 +143,16 @@ def role_manager(args: argparse.Namespace) -> None:
             say(worker.churn(float(rest[0]), int(rest[1])))
         elif cmd == "state":
             say(worker.state())
+        elif cmd == "demand":
+            m.report_demand(int(rest[0]))
+            say({"ok": True})
+        elif cmd == "free_blocks":
+            worker.free_blocks(int(rest[0]))
+            say({"held_blocks": worker.held_blocks()})
+        elif cmd == "share":
+            say({"share": m.share(), "over": m.over_limit_blocks(),
+                 "mapped_bytes": int(m.get_mapped_memory_size()),
+                 "reserved_pages": m._pages.stats()["reserved"], "held_blocks": worker.held_blocks()})
         elif cmd == "limit":
             say(m.set_memory_limit(int(rest[0]), revision=int(rest[1])))
         elif cmd == "close":

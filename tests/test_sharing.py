@@ -18,11 +18,12 @@ import time
 
 import pytest
 
-from _procs import ENV, KvtopTerminal, kvctl, unique_name, wait_until
+from _procs import ENV, KvtopTerminal, kvctl, run_module, unique_name, wait_until
 from kvcached.errors import KVCachedError
 from kvcached.shm import budget as kb
 from kvcached.shm.budget import delete_budget, read_budget
 from kvcached.shm.client import list_segments, read_segment
+from kvcached.sizes import format_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "_sharing_procs.py")
@@ -165,8 +166,11 @@ def test_eight_managers_never_map_more_than_the_budget(managers, budget_name):
     budget. At the end the budget held equals what is mapped, and 0 after close."""
     workers, seconds = 8, 3.0
     env = {"KVCACHED_GLOBAL_BUDGET": budget_name}
+    # first_come: the sampler freezes the budget with its shared lock and waits for publishes,
+    # which a fair holder's share job, trimming its pool to a new cap, would wait behind
     first = managers(unique_name("bud0"), "--blocks", "1024",
-                     env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1"})
+                     env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1",
+                          "KVCACHED_GLOBAL_BUDGET_POLICY": "first_come"})
     page_bytes, num_pages = first.info["page_bytes"], first.info["num_pages"]
     budget_bytes = workers * num_pages * page_bytes * 3 // 8
     assert kvctl("budget", budget_name, str(budget_bytes)).returncode == 0
@@ -414,3 +418,164 @@ def test_kvtop_in_a_terminal_shows_a_live_manager(managers):
         assert name.encode() in screen and used in screen, screen[-2000:]
         assert top.quit(WAIT_S) == 0
     assert name in {s.name for s in list_segments()}
+
+
+def sampled(budget_name: str) -> kb.BudgetSnapshot:
+    """The budget now, checked: never more held than the budget, the total the slots' sum."""
+    snap = read_budget(budget_name)
+    assert snap.held_bytes == sum(h.held_bytes for h in snap.holders) <= snap.budget_bytes, snap
+    return snap
+
+
+@pytest.mark.parametrize("weights,late_min_pages,hog_pages", [
+    (("1", "1"), 0, 8), (("3", "1"), 0, 12), (("1", "1"), 12, 4)], ids=["equal", "3to1", "minimum"])
+def test_fair_budget_moves_memory_to_the_waiting_instance(managers, budget_name, weights,
+                                                          late_min_pages, hog_pages):
+    """One instance holds the whole budget; another reports demand. The first is capped at its
+    fair share (equal weights: half; 3:1: 75 %; the other's minimum of 12 pages: 4 pages), its
+    reserved pool goes back at once, over_limit_blocks says how many blocks to free, and once
+    it frees them the other maps its share. The budget is never exceeded meanwhile."""
+    total = 16
+    env = {"KVCACHED_GLOBAL_BUDGET": budget_name}
+    hog = managers(unique_name("fhog"), "--blocks", "2048",
+                   env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1", "KVCACHED_SHARE_WEIGHT": weights[0]})
+    page, bpp = hog.info["page_bytes"], hog.info["blocks_per_page"]
+    assert kvctl("budget", budget_name, str(total * page)).returncode == 0
+    assert hog.ask(f"alloc {14 * bpp}")["ok"]
+    poll("the hog's pool filling the budget", lambda: sampled(budget_name).held_bytes == total * page)
+    late = managers(unique_name("flate"), "--blocks", "2048",
+                    env={**env, "KVCACHED_SHARE_WEIGHT": weights[1],
+                         "KVCACHED_SHARE_MIN": str(late_min_pages * page)})
+    assert late.ask(f"demand {total * bpp}")["ok"]
+
+    def hog_capped():
+        sampled(budget_name)
+        state = hog.ask("share")
+        return state["share"]["cap_bytes"] == hog_pages * page and state["reserved_pages"] == 0 and state
+
+    state = poll("the hog capped at its share, its pool given back", hog_capped)
+    assert state["share"]["share_bytes"] == hog_pages * page and state["share"]["policy"] == "fair"
+    assert state["over"] == (14 - hog_pages) * bpp
+    if weights == ("1", "1") and not late_min_pages:     # what kvctl and kvtop show of it
+        (record,) = [r for r in json.loads(kvctl("list", "--json").stdout) if r["name"] == hog.name]
+        assert [(b["budget"], b["share_bytes"]) for b in record["budgets"]] == [(budget_name, hog_pages * page)]
+        frame = run_module("kvcached.cli.kvtop", "--once", "--width", "300").stdout
+        (line,) = [ln for ln in frame.splitlines() if ln.startswith(hog.name + " ")]
+        assert f"share {format_bytes(hog_pages * page)}" in line, line
+    late_share = late.ask("share")["share"]
+    assert late_share["share_bytes"] == (total - hog_pages) * page and late_share["demand_bytes"] > 0
+    assert hog.ask(f"free_blocks {state['over']}")["held_blocks"] == hog_pages * bpp
+    assert poll("the hog within its cap", lambda: sampled(budget_name) and hog.ask("share")["over"] == 0)
+    late_pages = total - hog_pages
+    poll("the waiting instance maps its share",
+         lambda: sampled(budget_name) and late.ask(f"alloc {late_pages * bpp}")["ok"])
+    assert late.ask("demand 0")["ok"]
+    assert late.ask("share")["mapped_bytes"] >= late_pages * page
+    snap = sampled(budget_name)
+    assert {h.pid: h.held_bytes for h in snap.holders}[hog.pid] <= hog_pages * page
+
+
+@pytest.mark.slow
+def test_fair_budget_under_churn_is_never_exceeded(managers, budget_name):
+    """Four processes allocate and free for ~2 s under a fair budget of a quarter of what they
+    could map: caps come and go, every block keeps its stamp, every instance gets memory, and
+    the budget is never exceeded at a sampled moment."""
+    env = {"KVCACHED_GLOBAL_BUDGET": budget_name}
+    first = managers(unique_name("fch0"), "--blocks", "1024",
+                     env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1"})
+    page, num_pages = first.info["page_bytes"], first.info["num_pages"]
+    assert kvctl("budget", budget_name, str(num_pages * page)).returncode == 0
+    procs = [first] + [managers(unique_name(f"fch{i}"), "--blocks", "1024", env=env) for i in range(1, 4)]
+    for i, p in enumerate(procs):
+        p.send(f"churn 2.0 {i}")
+    samples = 0
+    while any(not select.select([p.popen.stdout], [], [], 0.005)[0] for p in procs):  # until all answered
+        sampled(budget_name)
+        samples += 1
+    results = [p.read() for p in procs]
+    assert samples > 0 and all(r["allocs"] > 0 and r["checks"] > 0 for r in results), results
+    for p in procs:
+        assert p.ask("close") == {"closed": True}
+    snap = sampled(budget_name)
+    assert (snap.held_bytes, snap.holders) == (0, ())
+
+
+def test_first_come_budget_caps_nobody(managers, budget_name):
+    """Under first_come an instance that holds the budget keeps it whatever others wait for."""
+    env = {"KVCACHED_GLOBAL_BUDGET": budget_name}
+    hog = managers(unique_name("chog"), "--blocks", "2048",
+                   env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1",
+                        "KVCACHED_GLOBAL_BUDGET_POLICY": "first_come"})
+    page, bpp = hog.info["page_bytes"], hog.info["blocks_per_page"]
+    assert kvctl("budget", budget_name, str(16 * page)).returncode == 0
+    assert hog.ask(f"alloc {14 * bpp}")["ok"]
+    poll("the hog's pool filling the budget", lambda: sampled(budget_name).held_bytes == 16 * page)
+    late = managers(unique_name("clate"), "--blocks", "2048", env=env)
+    assert late.ask(f"demand {16 * bpp}")["ok"]
+    poll("the demand published", lambda: any(h.demand_bytes for h in sampled(budget_name).holders))
+
+    def hog_beat_after(t_ns: int) -> int:
+        beat = next(h.heartbeat_ns for h in sampled(budget_name).holders if h.pid == hog.pid)
+        return beat if beat > t_ns else 0
+
+    # two share rounds of the hog after the demand showed: the first one completed
+    shown = time.time_ns()
+    beat = poll("a share round of the hog", lambda: hog_beat_after(shown))
+    poll("another share round of the hog", lambda: hog_beat_after(beat))
+    state = hog.ask("share")
+    assert state["share"]["policy"] == "first_come"
+    assert state["share"]["cap_bytes"] == kb.I64_MAX and state["over"] == 0
+    assert state["reserved_pages"] == 2
+    assert not late.ask(f"alloc {bpp}")["ok"]
+    assert sampled(budget_name).held_bytes == 16 * page
+
+
+def test_refused_allocations_are_demand(monkeypatch, budget_name):
+    """Two managers of one process hold two slots of one budget: the one whose alloc is refused
+    publishes those blocks as demand without report_demand, and the other is capped at half."""
+    from kvcached import KVCacheManager, config, init_kvcached, shutdown_kvcached
+    from kvcached.errors import KVCachedArgumentError
+
+    monkeypatch.setenv("KVCACHED_GLOBAL_BUDGET", budget_name)
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    config.reload_settings()
+    init_kvcached(device="cpu", page_size_bytes=64 << 10)
+    try:
+        page = (64 << 10) * 2 * 2                   # a page id maps 2 layers x K, V of 64 KiB
+        kb.set_budget(budget_name, 8 * page)
+        first = KVCacheManager(1024, 16, 64, 2, pool_name="first")
+        assert first.page_bytes == page
+        bpp = 1024 // first.num_pages
+        second = KVCacheManager(1024, 16, 64, 2, group_id=1, pool_name="second")
+        for bad in (-1, 1.5, True, "3"):
+            with pytest.raises(KVCachedArgumentError, match="blocks="):
+                second.report_demand(bad)
+        held = first.alloc(8 * bpp)
+        assert held is not None and second.alloc(4 * bpp) is None
+        wait_until(lambda: second.share()["demand_bytes"] > 0, what="the refused blocks published")
+        wait_until(lambda: first.share()["cap_bytes"] == 4 * page, what="the first capped at half")
+        assert first.over_limit_blocks() == 4 * bpp and second.over_limit_blocks() == 0
+        assert first.alloc(1) is None                               # beyond its cap
+        first.free(held[4 * bpp:])
+        wait_until(lambda: second.alloc(4 * bpp) is not None, what="the second mapping its share")
+        assert read_budget(budget_name).held_bytes == 8 * page
+    finally:
+        shutdown_kvcached()
+        monkeypatch.undo()
+        config.reload_settings()
+
+
+def test_share_is_none_without_a_budget():
+    from kvcached import KVCacheManager, init_kvcached, shutdown_kvcached
+
+    init_kvcached(device="cpu", page_size_bytes=64 << 10)
+    try:
+        m = KVCacheManager(1024, 16, 64, 2)
+        m.report_demand(3)                      # kept, and no effect
+        assert m.share() is None and m.over_limit_blocks() == 0
+        m.set_memory_limit(2 * m.page_bytes, revision=1)
+        ids = m.alloc(4 * (1024 // m.num_pages))
+        assert ids is None or m.over_limit_blocks() == 0
+    finally:
+        shutdown_kvcached()

@@ -560,3 +560,157 @@ def test_gc_removes_corrupt_budgets_and_keeps_every_other():
                 delete_budget(n, force=True)
             except KVCachedError:
                 pass
+
+
+# -- fair sharing (segment version 3) ---------------------------------------------------------
+
+def _word(name: str, offset: int) -> int:
+    with open(kb.budget_path(name), "rb") as f:
+        f.seek(offset)
+        return struct.unpack("=q", f.read(8))[0]
+
+
+def _poke(name: str, offset: int, value: int) -> None:
+    fd = os.open(kb.budget_path(name), os.O_RDWR)
+    try:
+        os.pwrite(fd, struct.pack("=q", value), offset)
+    finally:
+        os.close(fd)
+
+
+def _slot_offset(slot: int, field: int) -> int:
+    return kb.SLOTS_OFFSET + slot * kb.SLOT_BYTES + 8 * field
+
+
+def test_v3_fields_round_trip(name):
+    """What set_budget, Budget.open, set_share and set_demand write is where the layout table
+    says, and what snapshots and to_dict read back."""
+    snap = set_budget(name, 10 * MiB, policy="first_come")
+    assert (snap.policy, _word(name, 64)) == ("first_come", 0)
+    assert set_budget(name, 10 * MiB).policy == "first_come"        # unchanged unless given
+    with Budget.open(name, weight=2.5, min_bytes=MiB) as b:
+        assert _word(name, _slot_offset(b.slot, 7)) == 2500             # weight_milli
+        assert _word(name, _slot_offset(b.slot, 8)) == MiB              # min_bytes
+        assert _word(name, _slot_offset(b.slot, 9)) == kb.I64_MAX       # cap: none yet
+        b.set_demand(3 * MiB)
+        assert _word(name, _slot_offset(b.slot, 6)) == 3 * MiB
+        b.set_share(0.5, 2 * MiB)
+        (h,) = b.snapshot().holders
+        assert (h.weight, h.min_bytes, h.demand_bytes, h.cap_bytes) == (0.5, 2 * MiB, 3 * MiB, kb.I64_MAX)
+        assert h.share_bytes == 3 * MiB                                 # all it wants
+        record = read_budget(name).to_dict()
+        assert record["policy"] == "first_come"
+        assert {"weight", "min_bytes", "demand_bytes", "share_bytes", "cap_bytes"} <= set(record["holders"][0])
+        b.check_invariants()
+    assert kb.set_policy(name, "fair").policy == "fair" and _word(name, 64) == 1
+
+
+def test_new_budgets_are_fair_and_bad_shares_are_refused(name):
+    assert set_budget(name, MiB).policy == kb.DEFAULT_POLICY == "fair"
+    for bad in (0, -1, float("nan"), float("inf"), 0.0001, True, "1", 2e6):
+        with pytest.raises(KVCachedConfigError, match="weight="):
+            Budget.open(name, weight=bad)
+    with Budget.open(name) as b:
+        with pytest.raises(KVCachedConfigError, match="weight="):
+            b.set_share(0, 0)
+        with pytest.raises(KVCachedConfigError, match="min_bytes"):
+            b.set_share(1, -1)
+        with pytest.raises(ValueError, match="nbytes"):
+            b.set_demand(-1)
+    with pytest.raises(KVCachedConfigError, match="policy="):
+        kb.set_policy(name, "fifo")
+    with pytest.raises(KVCachedConfigError, match="policy="):
+        set_budget(name, MiB, policy="FAIR")
+
+
+def test_a_holder_is_capped_at_its_share_only_while_another_waits(name):
+    """Two handles (two holders): the one holding everything is capped at its fair share once
+    the other publishes demand, refused beyond it, and uncapped when the demand goes, or under
+    first_come."""
+    set_budget(name, 10 * MiB)
+    with Budget.open(name) as hog, Budget.open(name) as late:
+        assert hog.try_acquire(10 * MiB) and hog.cap_bytes() == kb.I64_MAX
+        late.set_demand(8 * MiB)
+        assert hog.cap_bytes() == 5 * MiB and late.cap_bytes() == kb.I64_MAX
+        shares = {h.slot: h.share_bytes for h in hog.snapshot().holders}
+        assert shares == {hog.slot: 5 * MiB, late.slot: 5 * MiB}
+        assert _word(name, _slot_offset(hog.slot, 9)) == 5 * MiB       # published for kvctl
+        hog.release(6 * MiB)                                             # below its cap now
+        assert not hog.try_acquire(2 * MiB)                              # past its cap
+        assert late.try_acquire(5 * MiB)                                 # the freed bytes go here
+        assert hog.try_acquire(MiB)                                      # up to its cap
+        assert not hog.try_acquire(1)
+        late.set_demand(0)
+        assert hog.cap_bytes() == kb.I64_MAX
+        late.set_demand(MiB)
+        kb.set_policy(name, "first_come")
+        assert hog.cap_bytes() == kb.I64_MAX
+        hog.check_invariants()
+        late.check_invariants()
+
+
+def test_set_holder_share_by_pid(name):
+    set_budget(name, 8 * MiB)
+    with Proc("budget-demand", name, str(8 * MiB)) as other, Budget.open(name) as mine:
+        assert mine.try_acquire(8 * MiB)
+        assert mine.cap_bytes() == 4 * MiB
+        snap = kb.set_holder_share(name, other.pid, weight=3)
+        assert {h.pid: h.weight for h in snap.holders} == {other.pid: 3.0, os.getpid(): 1.0}
+        assert mine.cap_bytes() == 2 * MiB                               # 3:1
+        kb.set_holder_share(name, os.getpid(), min_bytes=6 * MiB)
+        assert mine.cap_bytes() == 6 * MiB                               # its minimum first
+        with pytest.raises(KVCachedError, match=f"pid {2**22 + 7}"):
+            kb.set_holder_share(name, 2**22 + 7, weight=1)
+        with pytest.raises(KVCachedConfigError, match="weight="):
+            kb.set_holder_share(name, other.pid, weight=-1)
+        with pytest.raises(KVCachedConfigError, match="give weight"):
+            kb.set_holder_share(name, other.pid)
+        mine.check_invariants()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("weight", -5), ("weight", 0), ("weight", kb.I64_MAX), ("min", -1), ("min", kb.I64_MAX),
+    ("demand", -7), ("demand", kb.I64_MAX), ("cap", -1), ("policy", 99), ("policy", -1)])
+def test_tampered_share_fields_never_break_a_holder(name, field, value):
+    """Values no kvcached writes are read as the defaults (weight 1, min 0, demand 0, the fair
+    policy) or, for a huge min or demand, used as they are (Python ints: no overflow)."""
+    set_budget(name, 8 * MiB)
+    with Budget.open(name) as a, Budget.open(name) as b:
+        assert a.try_acquire(6 * MiB)
+        b.set_demand(4 * MiB)
+        offset = 64 if field == "policy" else _slot_offset(
+            b.slot, {"demand": 6, "weight": 7, "min": 8, "cap": 9}[field])
+        _poke(name, offset, value)
+        cap = a.cap_bytes()
+        snap = a.snapshot()
+        assert snap.policy in kb.POLICIES
+        assert all(h.weight > 0 and h.min_bytes >= 0 and h.demand_bytes >= 0 for h in snap.holders)
+        assert 0 <= sum(h.share_bytes for h in snap.holders) <= snap.budget_bytes
+        assert 0 <= cap <= kb.I64_MAX and b.cap_bytes() >= 0
+        assert a.try_acquire(0) and b.try_acquire(MiB) in (True, False)
+        a.check_invariants()
+        b.check_invariants()
+
+
+def test_a_killed_holder_drops_out_and_the_survivor_is_uncapped(name):
+    set_budget(name, 8 * MiB)
+    with Budget.open(name) as survivor:
+        assert survivor.try_acquire(8 * MiB)
+        with Proc("budget-demand", name, str(8 * MiB)) as other:
+            assert survivor.cap_bytes() == 4 * MiB
+            other.kill(signal.SIGKILL)
+            wait_until(lambda: survivor.cap_bytes() == kb.I64_MAX, what="the survivor uncapped")
+        snap = survivor.snapshot()
+        assert [h.share_bytes for h in snap.holders if not h.alive] in ([], [0])
+        survivor.check_invariants()
+
+
+def test_a_version_2_budget_is_left_alone(name):
+    set_budget(name, MiB)
+    with open(kb.budget_path(name), "r+b") as f:
+        f.seek(4)
+        f.write(struct.pack("=I", 2))
+    with pytest.raises(KVCachedError, match="layout version 2"):
+        Budget.open(name)
+    assert name not in remove_broken_budgets()
+    assert os.path.exists(kb.budget_path(name))

@@ -19,13 +19,17 @@ from ..checks import as_int
 from ..errors import KVCachedError
 from ..limits import I64_MAX, NO_LIMIT
 from ..shm.budget import (
+    POLICIES,
     BudgetSnapshot,
     delete_budget,
     gc_budgets,
+    list_budgets,
     read_budget,
     remove_broken_budgets,
     scan_budgets,
     set_budget,
+    set_holder_share,
+    set_policy,
 )
 from ..shm.client import (
     delete_segment,
@@ -91,17 +95,39 @@ def _snapshots(warn: bool = True) -> list[Snapshot]:
     return snaps
 
 
-def _json_snapshot(snap: Snapshot) -> dict:
+def budget_shares() -> dict[int, list[dict]]:
+    """{pid: its budget slots} over every readable budget: the budget's name and policy, and the
+    slot's weight, min_bytes, demand_bytes, share_bytes and cap_bytes (I64_MAX: uncapped).
+    O(budgets x slots)."""
+    shares: dict[int, list[dict]] = {}
+    for b in list_budgets():
+        for h in b.holders:
+            if h.alive:
+                shares.setdefault(h.pid, []).append(
+                    {"budget": b.name, "policy": b.policy, "weight": h.weight,
+                     "min_bytes": h.min_bytes, "demand_bytes": h.demand_bytes,
+                     "share_bytes": h.share_bytes, "cap_bytes": h.cap_bytes})
+    return shares
+
+
+def _json_snapshot(snap: Snapshot, shares: dict[int, list[dict]] | None = None) -> dict:
     record = snap.to_dict()
     record["state"] = state_of(snap)
     record["mapped_bytes"] = snap.mapped_bytes
+    if shares is not None:
+        record["budgets"] = shares.get(snap.pid, [])   # the slots of the instance's process
     return record
+
+
+def format_cap(cap_bytes: int) -> str:
+    return "none" if cap_bytes >= I64_MAX else format_bytes(cap_bytes)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     snaps = _snapshots()
     if args.json:
-        print(json.dumps([_json_snapshot(s) for s in snaps], indent=2))
+        shares = budget_shares()
+        print(json.dumps([_json_snapshot(s, shares) for s in snaps], indent=2))
         return EXIT_OK
     if not snaps:
         print("no kvcached instances")
@@ -235,7 +261,7 @@ def cmd_delete(args: argparse.Namespace) -> int:
 
 def cmd_budget(args: argparse.Namespace) -> int:
     if args.name is None:
-        if args.size is not None or args.delete:
+        if args.size is not None or args.delete or args.policy is not None:
             raise _Fail("give a budget NAME")
         budgets, unreadable = [], 0
         for name, snap in scan_budgets():
@@ -259,8 +285,8 @@ def cmd_budget(args: argparse.Namespace) -> int:
             print(_table(rows, right={1, 2, 3, 4, 5}))
         return EXIT_OK
     if args.delete:
-        if args.size is not None or args.stale_after is not None:
-            raise _Fail("give either SIZE (and --stale-after) or --delete, not both")
+        if args.size is not None or args.stale_after is not None or args.policy is not None:
+            raise _Fail("give either SIZE (and --stale-after, --policy) or --delete, not both")
         delete_budget(args.name, force=args.force)
         print(f"deleted budget {args.name}")
         return EXIT_OK
@@ -269,21 +295,46 @@ def cmd_budget(args: argparse.Namespace) -> int:
             budget_bytes = parse_size(args.size)
         except ValueError as exc:
             raise _Fail(str(exc)) from None
-        snap = set_budget(args.name, budget_bytes, args.stale_after)
+        snap = set_budget(args.name, budget_bytes, args.stale_after, args.policy)
     elif args.stale_after is not None:
         raise _Fail("--stale-after needs the budget's SIZE too")
+    elif args.policy is not None:
+        snap = set_policy(args.name, args.policy)
     else:
         snap = read_budget(args.name)
     if args.json:
         print(json.dumps(snap.to_dict(), indent=2))
         return EXIT_OK
-    print(f"budget {printable(snap.name)}: {format_bytes(snap.budget_bytes)}, held "
+    _print_budget(snap)
+    return EXIT_OK
+
+
+def _print_budget(snap: BudgetSnapshot) -> None:
+    print(f"budget {printable(snap.name)}: {format_bytes(snap.budget_bytes)}, {snap.policy}, held "
           f"{format_bytes(snap.held_bytes)} by {len(snap.holders)} holder(s), recovered "
           f"{format_bytes(snap.recovered_bytes)}; holders of other pid namespaces are dead "
           f"after {snap.stale_after_s:g} s without a heartbeat")
     for h in snap.holders:
         print(f"  pid {h.pid:>8}  {format_bytes(h.held_bytes):>12}  "
-              f"{'alive' if h.alive else 'dead'}")
+              f"{'alive' if h.alive else 'dead'}  share {format_bytes(h.share_bytes)}  cap "
+              f"{format_cap(h.cap_bytes)}  demand {format_bytes(h.demand_bytes)}  weight "
+              f"{h.weight:g}  min {format_bytes(h.min_bytes)}")
+
+
+def cmd_share(args: argparse.Namespace) -> int:
+    if args.weight is None and args.min is None:
+        raise _Fail("give --weight, --min or both")
+    min_bytes = None
+    if args.min is not None:
+        try:
+            min_bytes = parse_size(args.min)
+        except ValueError as exc:
+            raise _Fail(str(exc)) from None
+    snap = set_holder_share(args.name, args.pid, weight=args.weight, min_bytes=min_bytes)
+    if args.json:
+        print(json.dumps(snap.to_dict(), indent=2))
+    else:
+        _print_budget(snap)
     return EXIT_OK
 
 
@@ -340,8 +391,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--delete", action="store_true", help="remove the budget")
     p.add_argument("--force", action="store_true",
                    help="with --delete: even if it is in use, unreadable or of another version")
+    p.add_argument("--policy", choices=POLICIES,
+                   help="how the holders share it: fair (weighted max-min shares, enforced by "
+                        "capping a holder at its share while another waits below its own; the "
+                        "default of a new budget) or first_come (no caps)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=cmd_budget)
+
+    p = sub.add_parser("share", help="set a budget holder's weight or guaranteed minimum",
+                       description="Set the weight (holders waiting for memory share what the "
+                                   "minimums leave in proportion to their weights) and/or the "
+                                   "guaranteed minimum of process PID in fair budget NAME.")
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("pid", metavar="PID", type=int)
+    p.add_argument("--weight", type=float, help="a number in [0.001, 1000000] (default 1)")
+    p.add_argument("--min", metavar="SIZE", help="whole bytes (4096) or a binary unit (8G)")
+    p.add_argument("--json", action="store_true", help="print the budget as JSON")
+    p.set_defaults(run=cmd_share)
     return parser
 
 

@@ -18,7 +18,7 @@ import time
 from ..shm.client import list_segments
 from ..shm.segment import Snapshot
 from ..sizes import format_bytes
-from .kvctl import printable, state_of
+from .kvctl import budget_shares, format_cap, printable, state_of
 
 LEGEND = "# used  + reserved  . free  | limit"
 
@@ -35,8 +35,10 @@ def bar(snap: Snapshot, cells: int) -> str:
     return "".join(chars)
 
 
-def render(snaps: list[Snapshot], width: int) -> list[str]:
-    """One frame: a header, then two lines per instance (figures, bar), ``width`` columns."""
+def render(snaps: list[Snapshot], width: int, shares: dict[int, list[dict]] | None = None) -> list[str]:
+    """One frame: a header, then two lines per instance (figures, bar), ``width`` columns.
+    ``shares`` (``kvctl.budget_shares``): an instance whose process holds a budget slot also
+    shows its fair share and its cap there ("none": uncapped)."""
     width = max(20, width)
     lines = [f"kvtop  {len(snaps)} instance(s)  {time.strftime('%H:%M:%S')}  q: quit"[:width],
              LEGEND[:width]]
@@ -46,7 +48,9 @@ def render(snaps: list[Snapshot], width: int) -> list[str]:
         figures = (f"{printable(s.name)}  pid {s.pid} {state_of(s)}  used {format_bytes(s.used_bytes)}  "
                    f"reserved {format_bytes(s.reserved_bytes)}  limit "
                    f"{format_bytes(s.limit_bytes)} ({s.limit_status}, rev {s.limit_revision})  "
-                   f"capacity {format_bytes(s.capacity_bytes)}")
+                   + "".join(f"share {format_bytes(b['share_bytes'])}  cap {format_cap(b['cap_bytes'])}  "
+                             for b in (shares or {}).get(s.pid, []))
+                   + f"capacity {format_bytes(s.capacity_bytes)}")
         lines.append(figures[:width])
         lines.append(f" [{bar(s, width - 3)}]")
     return lines
@@ -68,7 +72,7 @@ def _loop(stdscr: curses.window, interval_s: float) -> int:
     stdscr.timeout(max(1, int(interval_s * 1000)))
     while True:
         height, width = stdscr.getmaxyx()
-        lines = render(list_segments(), width - 1)
+        lines = render(list_segments(), width - 1, budget_shares())
         if len(lines) > height:
             hidden_lines = len(lines) - (height - 1)
             lines = lines[: height - 1] + [
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 width = os.get_terminal_size().columns
             except OSError:
                 width = 100
-        print("\n".join(render(list_segments(), width)))
+        print("\n".join(render(list_segments(), width, budget_shares())))
         return 0
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         parser.exit(2, "kvtop: error: needs a terminal; use --once to print one frame\n")

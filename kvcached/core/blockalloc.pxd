@@ -72,6 +72,7 @@ cdef class BlockAllocator(BlockSlots):
     cdef int32_t id_objs_len                    # ids below this use id_objs; Note [Block id objects] in blockargs
     cdef public bint debug_checks               # check_invariants() after every public call
     cdef uint64_t num_failed_allocs             # allocs that returned None, ever
+    cdef readonly uint64_t num_failed_blocks    # the blocks those allocs asked for, ever (demand under a budget; read without the lock)
     cdef int num_inflight                       # allocs taking pages without the lock (Note [Allocator locks])
 
     # each says what it raises (`noexcept` ones are bookkeeping under `lock`)

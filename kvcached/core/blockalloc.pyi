@@ -37,6 +37,7 @@ class _BlockAllocatorStats(TypedDict):
     num_allocs: int
     num_frees: int
     num_failed_allocs: int
+    num_failed_blocks: int  # blocks the failed allocs asked for (an n above total_blocks not counted)
     pages: _PageAllocatorStats
 
 # -- block allocator -----------------------------------------------------------------------------
@@ -91,6 +92,10 @@ class BlockAllocator(BlockSlots):
         """The page allocator whose pages hold the blocks."""
     debug_checks: bool
     """Run check_invariants() after every public call."""
+    @property
+    def num_failed_blocks(self) -> int:
+        """The blocks failed allocs asked for, ever; read without the allocator's lock (a
+        manager's share job polls it: Note [Fair share] in kv_cache_manager)."""
     @property
     def lifecycle(self) -> _Lifecycle:
         """"closed" after close(), "forked" in a forked child: then methods raise KVCachedClosedError."""

@@ -409,6 +409,7 @@ cdef class BlockAllocator(BlockSlots):
                 rc = self.pages.take_blocks(r - self.partial_free, self.page_buf, &np_new)
                 if rc == _OOM:
                     self.num_failed_allocs += 1
+                    self.num_failed_blocks += n
                     return _OOM
             elif self.pages.take_pool(r - self.partial_free, True, self.page_buf, &np_new) != 0:
                 return _NEED_SLOW
@@ -463,6 +464,7 @@ cdef class BlockAllocator(BlockSlots):
                     rc = self._alloc_locked(n, out, False, use_held)    # frees meanwhile may cover it
                     if rc == _NEED_SLOW:
                         self.num_failed_allocs += 1
+                        self.num_failed_blocks += n
                         return _OOM
                     if rc == 0 and hold:
                         self._hold(n, out)
@@ -769,7 +771,8 @@ cdef class BlockAllocator(BlockSlots):
                 "allocated": self.num_allocated, "held": self.num_held, "owned_pages": self.num_owned,
                 "free_in_owned_pages": self.partial_free, "total_blocks": self.total_blocks,
                 "num_allocs": self.num_allocs, "num_frees": self.num_frees,
-                "num_failed_allocs": self.num_failed_allocs, "pages": self.pages.stats(),
+                "num_failed_allocs": self.num_failed_allocs,
+                "num_failed_blocks": self.num_failed_blocks, "pages": self.pages.stats(),
             }
         finally:
             pthread_mutex_unlock(&self.lock)

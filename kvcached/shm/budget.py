@@ -38,13 +38,23 @@ Protocol (every process follows it; readers included):
   kvcached can read as a budget (truncated or overwritten by another program) is shown by
   ``kvctl budget`` and removed by ``kvctl gc``; a budget of another layout version is left alone.
 
-Segment layout, version 2 (native byte order)
+Sharing (Note [Fair shares] and Note [Caps that conserve work] in fairness): under the
+``fair`` policy (the default of a new budget) every holder publishes its weight, minimum and
+demand (bytes it waits for beyond what it holds) in its slot, and computes from one copy of the
+segment the weighted max-min fair share of every live holder, and its own cap: its share while
+another holder is below its own share with demand waiting, else none. ``try_acquire`` refuses
+what would take the holder past its cap. Under ``first_come`` nobody is capped (version 2's
+behaviour). Values a slot or the header holds that no kvcached writes (a weight <= 0, a negative
+minimum, held or demand, a policy of neither value) are read as the default (weight 1,
+minimum 0, demand 0, the fair policy); they never make a holder fail.
+
+Segment layout, version 3 (native byte order)
 
 ====== ======= ================= ============================================================
 offset type    field             meaning
 ====== ======= ================= ============================================================
 0      char[4] magic             ``b"KVCB"``
-4      u32     version           layout version, 2
+4      u32     version           layout version, 3
 8      i64     segment_bytes     size of the segment
 16     i64     budget_bytes      most bytes all holders together may hold
 24     i64     held_bytes        sum of the slots' held_bytes
@@ -52,10 +62,14 @@ offset type    field             meaning
 40     i64     created_ns        CLOCK_REALTIME ns at creation
 48     i64     recovered_bytes   bytes taken back from dead holders, cumulative
 56     i64     stale_after_ns    a holder of another pid namespace whose heartbeat is older is dead
-64     char[]  name              budget name, UTF-8, NUL-padded to 256 bytes
-320    slot[]  slots             num_slots slots of 48 bytes:
+64     i64     policy            0: first_come, 1: fair
+72     char[]  name              budget name, UTF-8, NUL-padded to 248 bytes
+320    slot[]  slots             num_slots slots of 80 bytes:
                                  +0 pid (0: free), +8 start_time, +16 pid_ns, +24 held_bytes,
-                                 +32 token (random, identifies the handle), +40 heartbeat_ns
+                                 +32 token (random, identifies the handle), +40 heartbeat_ns,
+                                 +48 demand_bytes (wanted beyond held), +56 weight_milli (weight
+                                 x 1000), +64 min_bytes (guaranteed minimum), +72 cap_bytes (the
+                                 cap the holder computed last; I64_MAX: uncapped)
 ====== ======= ================= ============================================================
 """
 
@@ -75,6 +89,7 @@ from dataclasses import dataclass
 from ..checks import as_int
 from ..errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
 from ..limits import I64_MAX
+from .fairness import UNCAPPED, Claim, caps, fair_shares
 from .files import (
     SHM_DIR,
     create_exclusive,
@@ -90,10 +105,13 @@ log = logging.getLogger("kvcached")
 
 BUDGET_PREFIX = "kvcached-budget."
 MAGIC = b"KVCB"
-VERSION = 2
+VERSION = 3
 NUM_SLOTS = 256
 SLOTS_OFFSET = 320
-SLOT_BYTES = 48
+SLOT_BYTES = 80
+POLICIES = ("first_come", "fair")   # the header's policy field is the index
+DEFAULT_POLICY = "fair"
+MAX_WEIGHT = 1e6                    # weight_milli then fits an i64 many times over
 SEGMENT_BYTES = SLOTS_OFFSET + NUM_SLOTS * SLOT_BYTES
 # A failed acquisition scans the holders for dead ones at most this often per handle (each scan
 # reads /proc once per holder).
@@ -103,12 +121,14 @@ RECLAIM_EVERY_S = 0.05
 STALE_AFTER_S = 10.0
 MIN_STALE_AFTER_S = 0.5
 
-_HEADER = struct.Struct("=4sI7q256s")
+_HEADER = struct.Struct("=4sI8q248s")
 _HEAD = struct.Struct("=4sI3q")  # magic, version, segment_bytes, budget_bytes, held_bytes
-_SLOT = struct.Struct("=6q")
+_SLOT = struct.Struct("=10q")
 _WORD = struct.Struct("=q")
-_W_BUDGET, _W_HELD, _W_NUM_SLOTS, _W_RECOVERED, _W_STALE = 2, 3, 4, 6, 7
-_SLOT_PID, _SLOT_START, _SLOT_NS, _SLOT_HELD, _SLOT_TOKEN, _SLOT_HEARTBEAT = range(6)
+_W_BUDGET, _W_HELD, _W_NUM_SLOTS, _W_RECOVERED, _W_STALE, _W_POLICY = 2, 3, 4, 6, 7, 8
+(_SLOT_PID, _SLOT_START, _SLOT_NS, _SLOT_HELD, _SLOT_TOKEN, _SLOT_HEARTBEAT, _SLOT_DEMAND,
+ _SLOT_WEIGHT, _SLOT_MIN, _SLOT_CAP) = range(10)
+_SLOT_WORDS = 10
 
 assert _HEADER.size == SLOTS_OFFSET and _SLOT.size == SLOT_BYTES
 
@@ -155,7 +175,7 @@ class _BrokenBudget(KVCachedError):
     """The file is no budget of this version (any more): truncated or overwritten."""
 
 
-_Slot = tuple[int, int, int, int, int, int]  # pid, start_time, pid_ns, held, token, heartbeat
+_Slot = tuple[int, ...]  # pid, start_time, pid_ns, held, token, heartbeat, demand, weight, min, cap
 _Identity = tuple[int, int, int, int]  # token, pid, start_time, pid_ns: who holds a slot
 
 
@@ -168,10 +188,10 @@ class _Segment:
     file another program truncates faults, see Note [A segment changed by another process] in
     segment). Callers hold its flock to change it."""
 
-    def __init__(self, name: str, path: str) -> None:
+    def __init__(self, name: str, path: str, open_path: str | None = None) -> None:
         self.name, self.path = name, path
         try:
-            self.fd = os.open(path, os.O_RDWR)
+            self.fd = os.open(open_path or path, os.O_RDWR)
         except FileNotFoundError:
             raise KVCachedError(
                 f"no budget named {name!r} ({path} does not exist); create it with "
@@ -262,7 +282,7 @@ class _Segment:
                 continue  # it beat since the scan
             recovered += slot[_SLOT_HELD]
             self.clear_slot(index)
-            slots[index] = (0,) * 6
+            slots[index] = (0,) * _SLOT_WORDS
         self.write(_W_RECOVERED, self.word(_W_RECOVERED) + recovered)
         self.recount(slots)
         return recovered
@@ -273,7 +293,7 @@ class _Segment:
         self.write(_W_HELD, sum(slot[_SLOT_HELD] for slot in (slots or self.slots())))
 
     def clear_slot(self, slot: int) -> None:
-        self.write(_slot_word(slot, 0), *(0,) * 6)
+        self.write(_slot_word(slot, 0), *(0,) * _SLOT_WORDS)
 
     def snapshot(self) -> BudgetSnapshot:
         """The budget, copied under LOCK_SH and judged (/proc) after the unlock."""
@@ -285,34 +305,90 @@ class _Segment:
             self.unlock()
         return _parse(self.name, self.path, raw)
 
+    def reopen(self) -> _Segment:
+        """The same file (not the file now at its path) in a new open file description, whose
+        flock excludes this one's as another process's would. See Note [Shares without the
+        flock]."""
+        return _Segment(self.name, self.path, f"/proc/self/fd/{self.fd}")
+
     def close(self) -> None:
         os.close(self.fd)
 
 
 def _parse(name: str, path: str, raw: bytes) -> BudgetSnapshot:
-    _, _, _, budget, held, _, created, recovered, stale_ns, _ = _HEADER.unpack_from(raw)
+    _, _, _, budget, held, _, created, recovered, stale_ns, policy, _ = _HEADER.unpack_from(raw)
     stale_ns = stale_ns if stale_ns > 0 else int(STALE_AFTER_S * 1e9)
-    now, holders = time.time_ns(), []
+    now, found = time.time_ns(), []
     for slot in range(NUM_SLOTS):
-        pid, start, pid_ns, slot_held, _, heartbeat = _SLOT.unpack_from(
-            raw, SLOTS_OFFSET + slot * SLOT_BYTES)
+        fields = _SLOT.unpack_from(raw, SLOTS_OFFSET + slot * SLOT_BYTES)
+        pid, start, pid_ns = fields[_SLOT_PID], fields[_SLOT_START], fields[_SLOT_NS]
         if pid:
-            dead = _slot_dead(pid, start, pid_ns, heartbeat, stale_ns, now)
-            holders.append(Holder(slot, pid, slot_held, not dead, heartbeat))
-    return BudgetSnapshot(name, path, budget, held, recovered, created, stale_ns / 1e9,
-                          tuple(holders))
+            dead = _slot_dead(pid, start, pid_ns, fields[_SLOT_HEARTBEAT], stale_ns, now)
+            found.append((slot, fields, not dead))
+    live = [(slot, _claim(fields)) for slot, fields, alive in found if alive]
+    shares = dict(zip((slot for slot, _ in live),
+                      fair_shares(max(0, budget), [claim for _, claim in live])))
+    holders = tuple(
+        Holder(slot, fields[_SLOT_PID], fields[_SLOT_HELD], alive, fields[_SLOT_HEARTBEAT],
+               _weight_milli(fields[_SLOT_WEIGHT]) / 1000, max(0, fields[_SLOT_MIN]),
+               max(0, fields[_SLOT_DEMAND]), fields[_SLOT_CAP], shares.get(slot, 0))
+        for slot, fields, alive in found)
+    return BudgetSnapshot(name, path, budget, held, recovered, created, stale_ns / 1e9, holders,
+                          _policy_name(policy))
+
+
+def _weight_milli(value: int) -> int:
+    """A slot's weight_milli as the computation uses it: one out of range (no kvcached writes
+    it) is the default weight."""
+    return value if 0 < value <= MAX_WEIGHT * 1000 else 1000
+
+
+def _policy_name(value: int) -> str:
+    """The header's policy field by name: a value no kvcached writes is the default policy."""
+    return POLICIES[value] if 0 <= value < len(POLICIES) else DEFAULT_POLICY
+
+
+def _claim(fields: _Slot) -> Claim:
+    """A live slot's claim, negative fields (no kvcached writes them) read as 0."""
+    return Claim(_weight_milli(fields[_SLOT_WEIGHT]), max(0, fields[_SLOT_MIN]),
+                 max(0, fields[_SLOT_HELD]), max(0, fields[_SLOT_DEMAND]))
+
+
+def _check_policy(policy: object) -> int:
+    """The policy's header value, or KVCachedConfigError."""
+    if policy not in POLICIES:
+        raise KVCachedConfigError(f"policy={policy!r} is unknown: give one of "
+                                  f"{', '.join(POLICIES)} (default {DEFAULT_POLICY})")
+    return POLICIES.index(policy)  # type: ignore[arg-type]
+
+
+def check_weight(weight: object) -> int:
+    """A share weight as weight_milli, or KVCachedConfigError."""
+    if (isinstance(weight, bool) or not isinstance(weight, (int, float))
+            or not math.isfinite(weight) or not 0 < weight <= MAX_WEIGHT
+            or round(weight * 1000) < 1):
+        raise KVCachedConfigError(
+            f"weight={weight!r} is invalid: give a number in [0.001, {MAX_WEIGHT:g}] (default 1); "
+            "holders with unmet demand share the budget in proportion to their weights")
+    return round(weight * 1000)
 
 
 @dataclass(frozen=True, slots=True)
 class Holder:
     """One claimed slot. ``alive`` is False only when the holder is known to be dead (Note [Slot
-    heartbeats])."""
+    heartbeats]). ``share_bytes`` is its fair share as computed from this copy (0 for a dead
+    holder); ``cap_bytes`` the cap it computed and published last (I64_MAX: uncapped)."""
 
     slot: int
     pid: int
     held_bytes: int
     alive: bool
     heartbeat_ns: int
+    weight: float
+    min_bytes: int
+    demand_bytes: int
+    cap_bytes: int
+    share_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,45 +403,64 @@ class BudgetSnapshot:
     created_ns: int
     stale_after_s: float
     holders: tuple[Holder, ...]
+    policy: str
+
+    def caps(self) -> dict[int, int]:
+        """{slot: the cap its holder has now} for every live holder, as every holder computes
+        it (I64_MAX: uncapped; everyone under first_come). O(holders)."""
+        live = [h for h in self.holders if h.alive]
+        if self.policy != "fair":
+            return {h.slot: UNCAPPED for h in live}
+        claims = [Claim(round(h.weight * 1000), h.min_bytes, max(0, h.held_bytes), h.demand_bytes)
+                  for h in live]
+        return dict(zip((h.slot for h in live), caps(claims, [h.share_bytes for h in live])))
 
     def to_dict(self) -> dict:
         return {
             "name": self.name, "path": self.path, "budget_bytes": self.budget_bytes,
             "held_bytes": self.held_bytes, "recovered_bytes": self.recovered_bytes,
             "created_ns": self.created_ns, "stale_after_s": self.stale_after_s,
+            "policy": self.policy,
             "holders": [{"slot": h.slot, "pid": h.pid, "held_bytes": h.held_bytes,
-                         "alive": h.alive, "heartbeat_ns": h.heartbeat_ns}
+                         "alive": h.alive, "heartbeat_ns": h.heartbeat_ns, "weight": h.weight,
+                         "min_bytes": h.min_bytes, "demand_bytes": h.demand_bytes,
+                         "share_bytes": h.share_bytes, "cap_bytes": h.cap_bytes}
                         for h in self.holders],
         }
 
 
-def _create(name: str, budget_bytes: int, stale_after_ns: int) -> None:
+def _create(name: str, budget_bytes: int, stale_after_ns: int, policy: int) -> None:
     """Create budget ``name`` unless it exists (then nothing changes)."""
     content = _HEADER.pack(MAGIC, VERSION, SEGMENT_BYTES, budget_bytes, 0, NUM_SLOTS,
-                           time.time_ns(), 0, stale_after_ns, name.encode()) + bytes(
+                           time.time_ns(), 0, stale_after_ns, policy, name.encode()) + bytes(
                                NUM_SLOTS * SLOT_BYTES)
     fd = create_exclusive(budget_path(name), content)
     if fd is not None:
         os.close(fd)
 
 
-def set_budget(name: str, budget_bytes: int, stale_after_s: float | None = None) -> BudgetSnapshot:
+def set_budget(name: str, budget_bytes: int, stale_after_s: float | None = None,
+               policy: str | None = None) -> BudgetSnapshot:
     """Create budget ``name`` of ``budget_bytes``, or change the size of the existing one.
 
     ``stale_after_s`` (default STALE_AFTER_S when creating; unchanged otherwise): how old a
-    heartbeat makes a holder of another pid namespace dead (Note [Slot heartbeats]). Lowering the
-    budget below what is held takes nothing back; acquisitions fail until enough is released.
-    Returns the budget after the change.
+    heartbeat makes a holder of another pid namespace dead (Note [Slot heartbeats]). ``policy``
+    ("fair" or "first_come"; default DEFAULT_POLICY when creating, unchanged otherwise): how
+    holders share it (see ``set_policy``). Lowering the budget below what is held takes nothing
+    back; acquisitions fail until enough is released. Returns the budget after the change.
 
     Raises:
-        KVCachedConfigError: invalid name, a size outside [0, I64_MAX] or not an int, or
-            ``stale_after_s`` outside [MIN_STALE_AFTER_S, 86400]. Nothing changed.
+        KVCachedConfigError: invalid name, a size outside [0, I64_MAX] or not an int,
+            ``stale_after_s`` outside [MIN_STALE_AFTER_S, 86400], or an unknown policy. Nothing
+            changed.
     """
     budget_bytes = _check_size("budget_bytes", budget_bytes)
     stale_ns = None if stale_after_s is None else _check_stale_after(stale_after_s)
+    policy_value = None if policy is None else _check_policy(policy)
     path = budget_path(name)
     if not os.path.exists(path):
-        _create(name, budget_bytes, stale_ns or int(STALE_AFTER_S * 1e9))
+        _create(name, budget_bytes, stale_ns or int(STALE_AFTER_S * 1e9),
+                _check_policy(DEFAULT_POLICY) if policy_value is None else policy_value)
     seg = _Segment(name, path)
     try:
         seg.lock()
@@ -374,6 +469,74 @@ def set_budget(name: str, budget_bytes: int, stale_after_s: float | None = None)
             seg.write(_W_BUDGET, budget_bytes)
             if stale_ns is not None:
                 seg.write(_W_STALE, stale_ns)
+            if policy_value is not None:
+                seg.write(_W_POLICY, policy_value)
+        finally:
+            seg.unlock()
+        return seg.snapshot()
+    finally:
+        seg.close()
+
+
+def set_policy(name: str, policy: str) -> BudgetSnapshot:
+    """Make the holders of budget ``name`` share it by ``policy``: "fair" (weighted max-min
+    shares, enforced by caps while someone waits: Note [Caps that conserve work] in fairness) or
+    "first_come" (no caps: what a holder maps it keeps while it needs it). The holders follow
+    at their next cap computation (the manager's share job: SHARE_INTERVAL_S). Returns the
+    budget after the change.
+
+    Raises:
+        KVCachedConfigError: unknown policy or invalid name. KVCachedError: no such budget, or
+            the file is no budget of this version. Nothing changed.
+    """
+    value = _check_policy(policy)
+    seg = _Segment(validate_name(name), budget_path(name))
+    try:
+        seg.lock()
+        try:
+            seg.head()
+            seg.write(_W_POLICY, value)
+        finally:
+            seg.unlock()
+        return seg.snapshot()
+    finally:
+        seg.close()
+
+
+def set_holder_share(name: str, pid: int, *, weight: float | None = None,
+                     min_bytes: int | None = None) -> BudgetSnapshot:
+    """Set the weight and/or the guaranteed minimum of every live slot process ``pid`` holds in
+    budget ``name`` (an operator overriding what the instance set at start). The instance keeps
+    them until it sets its own again (``Budget.set_share``) or ends. Returns the budget after
+    the change.
+
+    Raises:
+        KVCachedConfigError: invalid weight (see ``check_weight``) or minimum, or neither given.
+        KVCachedError: no such budget, or no live holder of it has pid ``pid``. Nothing changed.
+    """
+    if weight is None and min_bytes is None:
+        raise KVCachedConfigError("set_holder_share: give weight, min_bytes or both")
+    weight_milli = None if weight is None else check_weight(weight)
+    min_bytes = None if min_bytes is None else _check_size("min_bytes", min_bytes)
+    seg = _Segment(validate_name(name), budget_path(name))
+    try:
+        snap = seg.snapshot()                      # judged (/proc) after its unlock
+        targets = {h.slot for h in snap.holders if h.pid == pid and h.alive}
+        if not targets:
+            raise KVCachedError(
+                f"budget {name!r} has no live holder with pid {pid}; `kvctl budget {name}` "
+                "lists its holders")
+        seg.lock()
+        try:
+            seg.head()
+            slots = seg.slots()
+            for index in targets:
+                if slots[index][_SLOT_PID] != pid:
+                    continue                       # gone since the snapshot
+                if weight_milli is not None:
+                    seg.write(_slot_word(index, _SLOT_WEIGHT), weight_milli)
+                if min_bytes is not None:
+                    seg.write(_slot_word(index, _SLOT_MIN), min_bytes)
         finally:
             seg.unlock()
         return seg.snapshot()
@@ -522,16 +685,23 @@ class Budget:
 
     Lock contract: public methods take ``self._lock`` (threads of this process) and then the
     segment's flock (other processes); private ones assume both, except ``_beat`` (the heartbeat
-    job's one pwrite) and ``free_bytes`` (one pread), which take neither.
+    job's one pwrite; a capped handle's beat then calls ``cap_bytes``) and ``free_bytes`` (one
+    pread), which take neither. The share side (``set_demand``, ``set_share``, ``cap_bytes``)
+    takes ``self._share_lock`` instead, and the flock of its own open file description
+    (``_share_seg``), so it never waits for an acquisition of another thread (Note [Shares
+    without the flock]); ``close`` takes ``_share_lock`` and then ``_lock``, and nothing takes
+    them the other way round.
 
     Use ``Budget.open``; acquire in batches (several pages per call) on the allocator's path.
     A handle belongs to the process that opened it: a forked child must open its own (it would
     share the parent's flock, which then excludes nothing).
     """
 
-    def __init__(self, segment: _Segment, slot: int, token: int) -> None:
+    def __init__(self, segment: _Segment, share_segment: _Segment, slot: int, token: int) -> None:
         self.name, self.path = segment.name, segment.path
         self._seg = segment
+        self._share_seg = share_segment   # set_demand, set_share, cap_bytes: under _share_lock
+        self._share_lock = threading.Lock()
         self._slot = slot
         self._token = token
         self._held = 0
@@ -540,6 +710,7 @@ class Budget:
         self._closed = False
         self._pid = pid_now[0]
         self._broken = False  # the file stopped being a budget (warned once)
+        self._cap = UNCAPPED  # as cap_bytes() last computed it; try_acquire enforces it
         self._beat_every_s = segment.stale_after_ns() / 8e9
         atexit.register(self.close)
         self._heartbeat = POLLER.every(self._beat_every_s, self._beat,
@@ -547,41 +718,55 @@ class Budget:
 
     @classmethod
     def open(cls, name: str, budget_bytes: int | None = None, *,
-             stale_after_s: float | None = None) -> Budget:
-        """Open budget ``name`` (creating it with ``budget_bytes`` and ``stale_after_s`` if it
-        does not exist; an existing budget keeps both, which operators set) and claim a slot.
+             stale_after_s: float | None = None, policy: str | None = None,
+             weight: float = 1.0, min_bytes: int = 0) -> Budget:
+        """Open budget ``name`` (creating it with ``budget_bytes``, ``stale_after_s`` and
+        ``policy`` if it does not exist; an existing budget keeps them, which operators set) and
+        claim a slot with this holder's share ``weight`` and guaranteed ``min_bytes`` (see
+        ``set_share``).
 
         Raises:
-            KVCachedConfigError: invalid name, size or ``stale_after_s``; or the budget does not
-                exist and ``budget_bytes`` is None (the message says how to create it).
+            KVCachedConfigError: invalid name, size, ``stale_after_s``, policy, weight or
+                minimum; or the budget does not exist and ``budget_bytes`` is None (the message
+                says how to create it).
             KVCachedError: all NUM_SLOTS slots are held by live processes.
         """
         path = budget_path(name)
         stale_ns = (int(STALE_AFTER_S * 1e9) if stale_after_s is None
                     else _check_stale_after(stale_after_s))
+        policy_value = _check_policy(DEFAULT_POLICY if policy is None else policy)
+        share = check_weight(weight), _check_size("min_bytes", min_bytes)
         if budget_bytes is not None:
             budget_bytes = _check_size("budget_bytes", budget_bytes)
             if not os.path.exists(path):
-                _create(name, budget_bytes, stale_ns)
+                _create(name, budget_bytes, stale_ns, policy_value)
         elif not os.path.exists(path):
             raise KVCachedConfigError(
                 f"no budget named {name!r}: create it (`kvctl budget {name} 40G`) or pass "
                 "budget_bytes to create it on first use")
         seg = _Segment(name, path)
+        try:
+            share_seg = seg.reopen()
+        except BaseException:
+            seg.close()
+            raise
         token = int.from_bytes(os.urandom(7), "little") + 1
-        slot = cls._claim(seg, token)
+        slot = cls._claim(seg, token, share)
         if slot is None:
-            slot = cls._claim(seg, token, dead=seg.find_dead())  # /proc outside the flock
+            slot = cls._claim(seg, token, share, dead=seg.find_dead())  # /proc outside the flock
         if slot is None:
             seg.close()
+            share_seg.close()
             raise KVCachedError(
                 f"budget {name!r} has no free slot: {NUM_SLOTS} handles of live processes hold "
                 "one each; close unused handles (Budget.close)")
-        return cls(seg, slot, token)
+        return cls(seg, share_seg, slot, token)
 
     @staticmethod
-    def _claim(seg: _Segment, token: int, dead: list | None = None) -> int | None:
-        """Under LOCK_EX: reclaim ``dead``, recount the total, claim a free slot (or None)."""
+    def _claim(seg: _Segment, token: int, share: tuple[int, int],
+               dead: list | None = None) -> int | None:
+        """Under LOCK_EX: reclaim ``dead``, recount the total, claim a free slot (or None) with
+        ``share`` (weight_milli, min_bytes)."""
         pid, start, pid_ns = own_identity()
         seg.lock()
         try:
@@ -593,7 +778,8 @@ class Budget:
             for index, slot in enumerate(slots):
                 if slot[_SLOT_PID] == 0:
                     base = _slot_word(index, 0)
-                    seg.write(base + _SLOT_START, start, pid_ns, 0, token, time.time_ns())
+                    seg.write(base + _SLOT_START, start, pid_ns, 0, token, time.time_ns(), 0,
+                              *share, UNCAPPED)
                     seg.write(base + _SLOT_PID, pid)  # last: a lock-free reader that sees it
                     return index                      # sees the rest
             return None
@@ -604,6 +790,11 @@ class Budget:
     def held_bytes(self) -> int:
         """Bytes this handle holds."""
         return self._held
+
+    @property
+    def slot(self) -> int:
+        """The index of this handle's slot (``Holder.slot`` in snapshots)."""
+        return self._slot
 
     def free_bytes(self) -> int:
         """Bytes the budget has left now (``budget_bytes - held_bytes``, 0 when over it), for
@@ -631,7 +822,8 @@ class Budget:
         raise KVCachedClosedError(f"budget handle {self.name!r} is closed; open a new one")
 
     def try_acquire(self, nbytes: int) -> bool:
-        """Take ``nbytes`` from the budget if that keeps the total within it; True if taken.
+        """Take ``nbytes`` from the budget if that keeps the total within it, and this holder
+        within its cap (as ``cap_bytes`` last computed it; none under first_come); True if taken.
 
         Never raises for "not enough": returns False and changes nothing. When short, first
         reclaims the shares of dead holders (at most every RECLAIM_EVERY_S per handle), reading
@@ -649,6 +841,8 @@ class Budget:
             return True
         with self._lock:
             self._check_open()
+            if self._held + nbytes > self._cap:
+                return False  # See Note [Caps that conserve work] in fairness
             if self._take(nbytes):
                 return True
             now = time.monotonic()
@@ -723,13 +917,90 @@ class Budget:
         self._held += nbytes
 
     def _beat(self) -> None:
-        """The heartbeat job's pwrite into this handle's slot (while it is still ours)."""
+        """The heartbeat job's pwrite into this handle's slot (while it is still ours); a capped
+        handle also computes its cap again, so that no cap outlives its reason by more than a
+        beat when nobody calls ``cap_bytes`` (a manager calls it every SHARE_INTERVAL_S)."""
         base = _slot_word(self._slot, 0)
         try:
             if self._seg.word(base + _SLOT_TOKEN) == self._token:
                 self._seg.write(base + _SLOT_HEARTBEAT, time.time_ns())
+            if self._cap != UNCAPPED:
+                self.cap_bytes()
         except (OSError, KVCachedError):
             pass  # a broken file: its holder hears of it at its next acquire
+
+    def set_demand(self, nbytes: int) -> None:
+        """Publish the bytes this holder waits for beyond what it holds (0: none), with a
+        heartbeat. Kept until the next call; the other holders' caps depend on it (Note [Caps
+        that conserve work] in fairness). Like the heartbeat, one pwrite without the flock
+        (Note [Shares without the flock]).
+
+        Raises:
+            ValueError: ``nbytes`` outside [0, I64_MAX] or not an int.
+            KVCachedError: the handle is closed or lost its slot, or the file is no budget.
+        """
+        nbytes = self._check_amount(nbytes)
+        with self._share_lock:
+            self._check_open()
+            self._store_own(_SLOT_HEARTBEAT, time.time_ns(), nbytes)
+
+    def set_share(self, weight: float, min_bytes: int) -> None:
+        """Set this holder's weight (holders with unmet demand split what is left after the
+        minimums in proportion to their weights) and guaranteed minimum (bytes it gets before
+        any weighted sharing, as far as it wants them and the budget has them).
+
+        Raises:
+            KVCachedConfigError: ``weight`` not a finite number in [0.001, MAX_WEIGHT], or
+                ``min_bytes`` not an int in [0, I64_MAX]. Nothing changed.
+            KVCachedError: the handle is closed or lost its slot, or the file is no budget.
+        """
+        share = check_weight(weight), _check_size("min_bytes", min_bytes)
+        with self._share_lock:
+            self._check_open()
+            self._write_own(_SLOT_WEIGHT, *share)
+
+    def _store_own(self, field: int, *values: int) -> None:
+        """Store ``values`` from this slot's ``field`` on without the flock, if the slot is
+        still this handle's (checked by its token, as the heartbeat does). Assumes
+        ``self._share_lock``."""
+        seg = self._share_seg
+        seg.head()
+        self._check_slot(seg.slot(self._slot))
+        seg.write(_slot_word(self._slot, field), *values)
+
+    def _write_own(self, field: int, *values: int) -> None:
+        """Store ``values`` from this slot's ``field`` on, under the flock, if the slot is still
+        this handle's. Assumes ``self._share_lock``."""
+        seg = self._share_seg
+        seg.lock()
+        try:
+            seg.head()
+            self._check_slot(seg.slot(self._slot))
+            seg.write(_slot_word(self._slot, field), *values)
+        finally:
+            seg.unlock()
+
+    def cap_bytes(self) -> int:
+        """This holder's cap now: its fair share while another holder is below its own share
+        with demand waiting, else I64_MAX (uncapped; always under first_come). Computed from
+        one copy of the segment taken under the shared flock (O(slots), a /proc read per holder
+        after the unlock); stored in the handle, where ``try_acquire`` enforces it, and into the
+        slot's cap field when it changed, for kvctl and kvtop (one pwrite without the flock: Note
+        [Shares without the flock]).
+
+        Raises:
+            KVCachedError: the handle is closed or lost its slot, or the file is no budget.
+        """
+        with self._share_lock:
+            self._check_open()
+            snap = self._share_seg.snapshot()
+            self._check_slot(self._share_seg.slot(self._slot))   # still ours: its figures are ours
+            cap = snap.caps().get(self._slot, UNCAPPED)
+            mine = next((h for h in snap.holders if h.slot == self._slot), None)
+            if mine is not None and mine.cap_bytes != cap:
+                self._store_own(_SLOT_CAP, cap)
+            self._cap = cap
+            return cap
 
     @staticmethod
     def _check_amount(nbytes: object) -> int:
@@ -781,7 +1052,7 @@ class Budget:
         """
         if pid_now[0] == self._pid:
             self._heartbeat.cancel()  # after this no heartbeat touches the handle
-        with self._lock:
+        with self._share_lock, self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -802,6 +1073,7 @@ class Budget:
                     seg.unlock()
             self._held = 0
             seg.close()
+            self._share_seg.close()
 
     def __enter__(self) -> Budget:
         return self
@@ -844,6 +1116,22 @@ class Budget:
 # twice. The beat is one aligned store without the flock; it checks the slot's token first, so it
 # never refreshes a slot that was reclaimed and handed to another holder (but for the instant
 # between that check and the store).
+#
+# Note [Shares without the flock]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A holder's demand and its published cap are stored like its heartbeat: one pwrite into its own
+# slot, after checking the slot's token, without the flock. They are each one word that only
+# their holder writes, and nothing sums them (a cap computation reads each as one aligned word:
+# it sees the old value or the new one). Taking LOCK_EX for them would make the share job of
+# every manager, which runs on its process's poller with the publishing and heartbeat jobs, wait
+# for whoever holds the budget's shared lock (a kvctl snapshot), and the process's publishing
+# with it. The weight and minimum, set rarely, by the holder or an operator, take LOCK_EX.
+# For the same reason the share side has its own threading lock and its own open file
+# description of the budget (reopened through /proc/self/fd: the same file, even if the path
+# was replaced since): with the handle's one lock, the share job would wait behind an
+# allocation thread that holds it while it waits for LOCK_EX, itself waiting for a reader's
+# LOCK_SH to end; a flock taken on a second description excludes the first as another
+# process's would (on one description, a second thread's flock would convert the first's).
 #
 # Note [No /proc under the flock]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
