@@ -37,6 +37,8 @@ def write_png(record: dict, path: str) -> None:
         mapped = [s["instances"][i]["mapped_bytes"] / MIB for s in samples]
         live = [s["instances"][i]["used_bytes"] / MIB for s in samples]
         mem.plot(t, mapped, color=color, lw=2.2, label=f"{instance['name']} ({instance['preset']} model): mapped")
+        mem.plot(t, [s["instances"][i].get("share_bytes", 0) / MIB for s in samples], color=color, lw=1.2, ls="--",
+                 label=f"{instance['name']}: its fair share of the budget")
         mem.fill_between(t, live, color=color, alpha=0.15, lw=0, label=f"{instance['name']}: in pages with live blocks")
         rate.plot(t, [s["instances"][i]["tokens_per_s"] for s in samples], color=color, lw=1.8,
                   label=f"{instance['name']}: tokens/s")

@@ -164,7 +164,8 @@ class _Recorder:
     def sample(self, t_s: float, keep: bool) -> dict:
         """What every instance holds and does now (``t_s``: the phase clock, for the record);
         appended to ``samples`` if ``keep``."""
-        held = read_budget(self.budget_name).held_bytes
+        budget = read_budget(self.budget_name)
+        shares = {holder.pid: holder.share_bytes for holder in budget.holders}
         rates = self._rates.add(time.monotonic(),
                                 [instance.counters["generated_tokens"] for instance in self.instances])
         rows = []
@@ -175,8 +176,9 @@ class _Recorder:
             except KVCachedError:
                 used = reserved = 0               # the segment is gone: the instance is shutting down
             rows.append({"mapped_bytes": used + reserved, "used_bytes": used, "reserved_bytes": reserved,
+                         "share_bytes": shares.get(instance.info.get("pid"), 0),
                          "clients": instance.clients, **instance.counters, "tokens_per_s": round(rate, 1)})
-        record = {"t_s": round(t_s, 3), "held_bytes": held, "instances": rows}
+        record = {"t_s": round(t_s, 3), "held_bytes": budget.held_bytes, "policy": budget.policy, "instances": rows}
         if keep:
             self.samples.append(record)
         return record

@@ -72,6 +72,15 @@ class PagedKVCache:
     def check_invariants(self) -> None:
         """Raise AssertionError if the block bookkeeping is inconsistent (tests)."""
 
+    def report_demand(self, blocks: int) -> None:
+        """The blocks the loop's waiting requests need: under a fair global budget, what this
+        instance's share grows with (KVCacheManager.report_demand). A static cache ignores it."""
+
+    def over_limit_blocks(self) -> int:
+        """Blocks to give back now (the loop preempts that many): under a fair global budget,
+        what this instance holds beyond its share while another waits. 0 for a static cache."""
+        return 0
+
     def mapped_bytes(self) -> int:
         """Device memory the cache holds now."""
         raise NotImplementedError
@@ -190,6 +199,7 @@ class ElasticKVCache(PagedKVCache):
         self.manager = None if self.tp_rank else KVCacheManager(
             self.num_blocks, self.block_size, self.cell_bytes, self.num_layers, world_size=REGISTRY.world_size,
             group_id=group_id, pool_name=pool_name)
+        self.shares_budget = self.manager is not None and self.manager.share() is not None
 
     def _scheduler(self):
         if self.manager is None:
@@ -205,6 +215,15 @@ class ElasticKVCache(PagedKVCache):
 
     def available_blocks(self) -> int:
         return self._scheduler().available_size()
+
+    def report_demand(self, blocks: int) -> None:
+        if self.shares_budget:
+            self.manager.report_demand(blocks)
+
+    def over_limit_blocks(self) -> int:
+        """Only under a global budget: the fair cap moves memory between instances, and waiting
+        for this instance's next failed alloc would hold the other one up for steps."""
+        return self.manager.over_limit_blocks() if self.shares_budget else 0
 
     def mapped_bytes(self) -> int:
         """Memory the cache holds now; under tensor parallelism, rank 0 counts every rank's."""
