@@ -3,7 +3,7 @@ kvcached.serving.counters) against its general path.
 
 The fast path builds a decode step's batch from the per-row counters and calls the cache's
 alloc only for the requests whose next token starts a block. These tests run the same workload
-through a loop with the fast path and one without it (``_decode_rows`` always declining) and
+through a loop with the fast path and one without it (``_decoding`` always declining) and
 require the same thing after every step: the same requests running and waiting, with the same
 tokens, cached counts and block ids (the allocs came in the same order), the same preemptions;
 and the loop's invariants, the counters agreeing with the requests included.
@@ -27,7 +27,7 @@ one_thread = test_serving.one_thread        # fixture, used by name
 class GeneralLoop(ServingLoop):
     """A loop whose scheduler never takes the decode fast path."""
 
-    def _decode_rows(self, budget):
+    def _decoding(self, budget):
         return None
 
 
@@ -36,10 +36,10 @@ class CountingLoop(ServingLoop):
 
     fast_steps = 0
 
-    def _decode_rows(self, budget):
-        rows = super()._decode_rows(budget)
-        self.fast_steps += rows is not None
-        return rows
+    def _decoding(self, budget):
+        cached = super()._decoding(budget)
+        self.fast_steps += cached is not None
+        return cached
 
 
 def state(loop: ServingLoop) -> tuple:

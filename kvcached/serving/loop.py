@@ -77,12 +77,14 @@ class LoopStats:
 
 @dataclass
 class _Batch:
-    """One step's work: requests[i] runs counts[i] (tokens in all) new tokens from its cached
-    count, through block-table row rows[i]; requests is a prefix of the running list (Note
-    [Scheduling]). `sample` (set by _run): whether request i's last token is in the step."""
+    """One step's work: requests[i] runs counts[i] (tokens in all) new tokens from position
+    first[i] (its cached count), through block-table row rows[i]; requests is a prefix of the
+    running list (Note [Scheduling]). `sample` (set by _run): whether request i's last token is
+    in the step."""
 
     requests: list[Request]
     rows: np.ndarray
+    first: np.ndarray
     counts: np.ndarray
     tokens: int
     sample: np.ndarray | None = None
@@ -334,10 +336,10 @@ class ServingLoop:
     def _schedule(self) -> _Batch:
         """The step's batch; See Note [Scheduling]."""
         budget = self.max_batch_tokens
-        decode_rows = self._decode_rows(budget)
-        if decode_rows is not None:
+        decoding = self._decoding(budget)
+        if decoding is not None:
             counts, preempted = [], False           # one token each
-            budget -= len(decode_rows)
+            budget -= len(decoding)
         else:
             counts, preempted = self._schedule_running(budget)
             budget -= sum(counts)
@@ -353,16 +355,14 @@ class ServingLoop:
             self.counters.admit(request.row, request)
             counts.append(n)
             budget -= n
-        if decode_rows is None:
-            requests = self.running[:len(counts)]
-            rows = self._rows()[:len(counts)]
-            counts = np.array(counts, np.int64)
-        else:
-            requests = self.running[:]
-            rows = self._rows()
-            counts = np.concatenate((np.ones(len(decode_rows), np.int64), counts)) if counts \
-                else np.ones(len(rows), np.int64)
-        return _Batch(requests, rows, counts, self.max_batch_tokens - budget)
+        tokens = self.max_batch_tokens - budget
+        if decoding is not None and not counts:
+            return _Batch(self.running[:], self._rows(), decoding, np.ones(len(decoding), np.int64), tokens)
+        if decoding is not None:
+            counts = [1] * len(decoding) + counts
+        requests = self.running[:len(counts)]
+        rows = self._rows()[:len(counts)]
+        return _Batch(requests, rows, self.counters.cached[rows], np.array(counts, np.int64), tokens)
 
     def _rows(self) -> np.ndarray:
         """The running requests' block-table rows, in order (built once per change of the list)."""
@@ -370,23 +370,21 @@ class ServingLoop:
             self._running_rows = np.fromiter((r.row for r in self.running), np.int64, len(self.running))
         return self._running_rows
 
-    def _decode_rows(self, budget: int) -> np.ndarray | None:
+    def _decoding(self, budget: int) -> np.ndarray | None:
         """The decode fast path (Note [Row counters]): when every running request has just its
         next token to run and `budget` holds them all, give a block to each that needs one for
-        it and return the running requests' rows; None (the general path schedules) otherwise,
-        or when an alloc returns None."""
+        it and return their cached counts, in running order; None (the general path schedules)
+        otherwise, or when an alloc returns None."""
         running = self.running
         if not running or len(running) > budget:
             return None
-        rows = self._rows()
-        counters = self.counters
-        cached = counters.cached[rows]
-        if not (counters.length[rows] - cached == 1).all():
+        cached, length, room = self.counters.state[:3, self._rows()]
+        if not (length - cached == 1).all():
             return None
-        for i in np.flatnonzero(cached >= counters.room[rows]).tolist():
+        for i in np.flatnonzero(cached >= room).tolist():
             if not self._grow(running[i], int(cached[i]) + 1):
                 return None
-        return rows
+        return cached
 
     def _schedule_running(self, budget: int) -> tuple[list[int], bool]:
         """The general path over the running requests: (their new tokens, in order, as long as the
@@ -494,9 +492,8 @@ class ServingLoop:
         copying the tokens to the host; returns the requests whose last token was in the step,
         in the order of their tokens (StepBuffers.received_tokens)."""
         counters = self.counters
-        rows, counts = batch.rows, batch.counts
+        rows, first, counts = batch.rows, batch.first, batch.counts
         count = len(rows)
-        first = counters.cached[rows]
         sample = batch.sample = first + counts == counters.length[rows]
         if batch.tokens == count and sample.all():      # decode-only: each runs its last token
             token_ids = counters.last[rows]
@@ -532,6 +529,7 @@ class ServingLoop:
         requests, rows, counts = batch.requests, batch.rows, batch.counts
         if not requests:
             return []
+        counters = self.counters
         values = tokens.tolist()
         if len(values) == batch.tokens == len(requests):       # decode-only
             for request, token in zip(requests, values):
@@ -539,6 +537,8 @@ class ServingLoop:
                 # cached < len(tokens) always, so one more cached token is further than ever
                 request.num_cached = request.most_cached = request.num_cached + 1
             further = True
+            counters.state[:2, rows] += 1                       # cached and length
+            counters.last[rows] = tokens
         else:
             further = False
             for request, n in zip(requests, counts.tolist()):
@@ -548,12 +548,12 @@ class ServingLoop:
                     further = True
             for request, token in zip(sampling, values):
                 request.tokens.append(token)
-        counters = self.counters
-        counters.cached[rows] += counts
-        sampled_rows = rows[batch.sample]
-        counters.length[sampled_rows] += 1
-        counters.last[sampled_rows] = tokens
-        finished = np.flatnonzero(counters.length[rows] >= counters.end[rows]).tolist()
+            counters.cached[rows] += counts
+            sampled_rows = rows[batch.sample]
+            counters.length[sampled_rows] += 1
+            counters.last[sampled_rows] = tokens
+        length, end = counters.state[1:4:2, rows]
+        finished = np.flatnonzero(length >= end).tolist()
         done = [requests[i] for i in finished]
         for i in reversed(finished):
             del self.running[i]                     # requests is a prefix of running
