@@ -19,14 +19,14 @@ class RowCounters:
     For a running request on row r: ``cached[r]`` is its num_cached, ``length[r]`` len(tokens),
     ``room[r]`` len(blocks) * block_size (the tokens its blocks hold), ``end[r]`` the token count
     at which it is done (prompt_len + max_new_tokens), ``last[r]`` its last token. A free row's
-    values are stale and never read. They are the rows of one array, ``state``, so that one
-    gather or update covers several (each numpy call costs microseconds of fixed overhead).
+    values are stale and never read. Five 1-D arrays, not one 2-D one: numpy gathers and updates
+    through an index array about 3x faster on a 1-D array than on a slice of a 2-D one.
     """
 
     def __init__(self, max_running: int, block_size: int):
         self.block_size = block_size
-        self.state = np.zeros((5, max_running), np.int64)
-        self.cached, self.length, self.room, self.end, self.last = self.state
+        self.cached, self.length, self.room, self.end, self.last = (np.zeros(max_running, np.int64)
+                                                                    for _ in range(5))
 
     def admit(self, row: int, request) -> None:
         """Fill `row` from a request that was just given it."""

@@ -378,10 +378,11 @@ class ServingLoop:
         running = self.running
         if not running or len(running) > budget:
             return None
-        cached, length, room = self.counters.state[:3, self._rows()]
-        if not (length - cached == 1).all():
+        rows, counters = self._rows(), self.counters
+        cached = counters.cached[rows]
+        if not (counters.length[rows] - cached == 1).all():
             return None
-        for i in np.flatnonzero(cached >= room).tolist():
+        for i in np.flatnonzero(cached >= counters.room[rows]).tolist():
             if not self._grow(running[i], int(cached[i]) + 1):
                 return None
         return cached
@@ -537,7 +538,8 @@ class ServingLoop:
                 # cached < len(tokens) always, so one more cached token is further than ever
                 request.num_cached = request.most_cached = request.num_cached + 1
             further = True
-            counters.state[:2, rows] += 1                       # cached and length
+            counters.cached[rows] += 1
+            counters.length[rows] += 1
             counters.last[rows] = tokens
         else:
             further = False
@@ -552,8 +554,7 @@ class ServingLoop:
             sampled_rows = rows[batch.sample]
             counters.length[sampled_rows] += 1
             counters.last[sampled_rows] = tokens
-        length, end = counters.state[1:4:2, rows]
-        finished = np.flatnonzero(length >= end).tolist()
+        finished = np.flatnonzero(counters.length[rows] >= counters.end[rows]).tolist()
         done = [requests[i] for i in finished]
         for i in reversed(finished):
             del self.running[i]                     # requests is a prefix of running
