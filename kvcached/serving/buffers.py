@@ -74,7 +74,7 @@ class StepBuffers:
 
     # -- one step ------------------------------------------------------------------------------
     def pack(self, rows: np.ndarray, first: np.ndarray, counts: np.ndarray, sample: np.ndarray,
-             token_ids: list[int], lanes: int | None = None) -> StepPlan:
+             token_ids: list[int] | np.ndarray, lanes: int | None = None) -> StepPlan:
         """The step as a StepPlan over the device buffer: request i (block-table row rows[i])
         runs counts[i] tokens from position first[i]; those with sample[i] want the logits of
         their last token. `lanes` pads a decode-only step (every count 1, every request

@@ -4,6 +4,8 @@ Each step packs every scheduled request's new tokens into one batch-1 sequence w
 position ids and runs the model once; attention finds each request's blocks through the step
 metadata (kvcached.serving.attention). The step's inputs are packed into persistent buffers
 (kvcached.serving.buffers); decode-only steps replay a CUDA graph (kvcached.serving.graphs).
+The running requests' counters are mirrored in numpy (kvcached.serving.counters), so that a
+decode step is scheduled and committed without walking the requests more than once.
 Greedy decoding. See Note [Scheduling], Note [Preemption] and Note [Pad block].
 """
 
