@@ -41,9 +41,11 @@ class StepBuffers:
         capacity = StepPlan.data_len((max_tokens_per_step, max_running, width, max_running))
         self.staging = torch.empty(capacity, dtype=torch.int64, pin_memory=cuda)
         self._staging = self.staging.numpy()
+        self._arange = np.arange(max(max_tokens_per_step, max_running) + 1)
         self.data = self.staging if self.device.type == "cpu" else torch.empty(capacity, dtype=torch.int64,
                                                                                device=self.device)
         self.tokens = torch.empty(max_running, dtype=torch.int64, pin_memory=cuda)
+        self._tokens = self.tokens.numpy()
         self._copied = torch.cuda.Event() if cuda else None
         self._sampled = torch.cuda.Event() if cuda else None
 
@@ -72,7 +74,7 @@ class StepBuffers:
 
     # -- one step ------------------------------------------------------------------------------
     def pack(self, rows: np.ndarray, first: np.ndarray, counts: np.ndarray, sample: np.ndarray,
-             token_ids: list[int], lanes: int | None = None) -> StepPlan:
+             token_ids: list[int] | np.ndarray, lanes: int | None = None) -> StepPlan:
         """The step as a StepPlan over the device buffer: request i (block-table row rows[i])
         runs counts[i] tokens from position first[i]; those with sample[i] want the logits of
         their last token. `lanes` pads a decode-only step (every count 1, every request
@@ -91,17 +93,19 @@ class StepBuffers:
         if self._copied is not None:
             self._copied.synchronize()          # a failed step's copy may still read the staging
         length = StepPlan.data_len(sizes)
-        staged = StepPlan(sizes, self.staging[:length])
-        ids, positions, slots = (p.numpy() for p in (staged.input_ids, staged.positions, staged.slot_mapping))
-        seq_lens, starts = staged.seq_lens.numpy(), staged.query_start_loc.numpy()
-        logits, tables = staged.logits_index.numpy(), staged.block_tables.numpy()
-        starts[0] = 0
-        np.cumsum(counts, out=starts[1:batch + 1])
+        ids, positions, slots, seq_lens, starts, logits, tables = self._fields(sizes)
+        if tokens == batch:                     # one token each (decode): no repeats, no cumsum
+            starts[:batch + 1] = self._arange[:batch + 1]
+            token_pos, token_rows = first, rows
+        else:
+            starts[0] = 0
+            np.cumsum(counts, out=starts[1:batch + 1])
+            token_pos = self._arange[:tokens] + np.repeat(first - starts[:batch], counts)
+            token_rows = np.repeat(rows, counts)
         ids[:tokens] = token_ids
-        token_pos = np.arange(tokens) + np.repeat(first - starts[:batch], counts)
         positions[:tokens] = token_pos
         bs = self.block_size
-        slots[:tokens] = self._tables[np.repeat(rows, counts), token_pos // bs] * bs + token_pos % bs
+        slots[:tokens] = self._tables[token_rows, token_pos // bs] * bs + token_pos % bs
         seq_lens[:batch] = first + counts
         if batch:
             used = int((seq_lens[:batch] - 1).max()) // bs + 1      # blocks of the longest row
@@ -110,14 +114,22 @@ class StepBuffers:
             logits[:] = starts[1:][sample] - 1
         else:
             ids[tokens:], positions[tokens:], slots[tokens:], seq_lens[batch:] = 0, 0, -1, 1
-            starts[batch + 1:] = np.arange(batch + 1, lanes + 1)
-            logits[:] = np.arange(lanes)
+            starts[batch + 1:] = self._arange[batch + 1:lanes + 1]
+            logits[:] = self._arange[:lanes]
             tables[batch:] = self.pad_block
-        if self.data is self.staging:
-            return staged
-        self.data[:length].copy_(self.staging[:length], non_blocking=True)
-        self._copied.record()
+        if self.data is not self.staging:
+            self.data[:length].copy_(self.staging[:length], non_blocking=True)
+            self._copied.record()
         return StepPlan(sizes, self.data[:length])
+
+    def _fields(self, sizes: tuple[int, int, int, int]) -> tuple[np.ndarray, ...]:
+        """Numpy views of the staging as a StepPlan of `sizes` lays it out (StepPlan.offsets):
+        slicing the numpy array costs a tenth of slicing the tensor and calling .numpy()."""
+        bounds = StepPlan.offsets(sizes)
+        staging = self._staging
+        fields = [staging[start:end] for start, end in zip(bounds, bounds[1:])]
+        fields[-1] = fields[-1].reshape(sizes[1], sizes[2])
+        return tuple(fields)
 
     def send_tokens(self, tokens: torch.Tensor) -> None:
         """Start copying a step's greedy tokens ``[K]`` to the host (non-blocking on CUDA)."""
@@ -125,12 +137,12 @@ class StepBuffers:
         if self._sampled is not None:
             self._sampled.record()
 
-    def received_tokens(self, count: int) -> list[int]:
-        """The first `count` tokens of the last send_tokens, once the device has them: the only
-        place a step waits for the device."""
+    def received_tokens(self, count: int) -> np.ndarray:
+        """The first `count` tokens of the last send_tokens (a copy), once the device has them:
+        the only place a step waits for the device."""
         if self._sampled is not None:
             self._sampled.synchronize()
-        return self.tokens[:count].tolist()
+        return self._tokens[:count].copy()
 
 
 # Note [Step buffers]

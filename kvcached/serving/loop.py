@@ -4,11 +4,14 @@ Each step packs every scheduled request's new tokens into one batch-1 sequence w
 position ids and runs the model once; attention finds each request's blocks through the step
 metadata (kvcached.serving.attention). The step's inputs are packed into persistent buffers
 (kvcached.serving.buffers); decode-only steps replay a CUDA graph (kvcached.serving.graphs).
+The running requests' counters are mirrored in numpy (kvcached.serving.counters), so that a
+decode step is scheduled and committed without walking the requests more than once.
 Greedy decoding. See Note [Scheduling], Note [Preemption] and Note [Pad block].
 """
 
 from __future__ import annotations
 
+import _signal
 import collections
 import itertools
 import signal
@@ -24,6 +27,7 @@ from kvcached.checks import as_int
 
 from .attention import ATTENTION_NAME
 from .buffers import StepBuffers
+from .counters import RowCounters
 from .graphs import DecodeRunner
 from .plan import StepPlan
 
@@ -73,6 +77,21 @@ class LoopStats:
     last_wait_s: float = 0.0        # time the last step waited for the device's tokens
 
 
+@dataclass
+class _Batch:
+    """One step's work: requests[i] runs counts[i] (tokens in all) new tokens from position
+    first[i] (its cached count), through block-table row rows[i]; requests is a prefix of the
+    running list (Note [Scheduling]). `sample` (set by _run): whether request i's last token is
+    in the step."""
+
+    requests: list[Request]
+    rows: np.ndarray
+    first: np.ndarray
+    counts: np.ndarray
+    tokens: int
+    sample: np.ndarray | None = None
+
+
 class LoopStalledError(RuntimeError):
     """No request made progress for ``stall_timeout_s``: the memory limit or the budget is below
     what one request needs, or the memory is held elsewhere. The requests stay queued, and the
@@ -83,15 +102,15 @@ class _HeldInterrupt:
     """Holds SIGINT off while the loop moves requests between its queues, then delivers it to
     the handler that was there: a Ctrl-C lands in the model call, where an exception changes
     nothing, or between steps. Only on the main thread (the only one signals reach), and only
-    under a handler set from Python. See Note [Failed steps]."""
+    under a handler set from Python. See Note [Failed steps] and Note [Signal calls]."""
 
     def __enter__(self) -> None:
         self.previous = self.caught = None
         if threading.current_thread() is threading.main_thread():
-            previous = signal.getsignal(signal.SIGINT)
+            previous = _signal.getsignal(signal.SIGINT)
             if previous is not None:
                 self.previous = previous
-                signal.signal(signal.SIGINT, self._hold)
+                _signal.signal(signal.SIGINT, self._hold)
 
     def _hold(self, signum, frame) -> None:
         self.caught = (signum, frame)
@@ -99,7 +118,7 @@ class _HeldInterrupt:
     def __exit__(self, *exc) -> None:
         if self.previous is None:
             return
-        signal.signal(signal.SIGINT, self.previous)
+        _signal.signal(signal.SIGINT, self.previous)
         if self.caught is None:
             return
         if callable(self.previous):
@@ -156,6 +175,7 @@ class ServingLoop:
                                    max_tokens_per_step=max(self.max_batch_tokens, self.max_running),
                                    width=-(-max(self.max_tokens, 1) // cache.block_size), block_size=cache.block_size,
                                    device=self.device)
+        self.counters = RowCounters(self.max_running, cache.block_size)     # See Note [Row counters]
         self.runner = DecodeRunner(model, cache, self.max_running, capture=self.device.type == "cuda") \
             if cuda_graphs else None
         self.pad_block: int | None = None       # See Note [Pad block]
@@ -163,6 +183,7 @@ class ServingLoop:
             self._take_pad_block()
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self._running_rows: np.ndarray | None = None   # the running requests' rows; None: build again
         self.stats = LoopStats()
         self._next_id = 0
         self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_WINDOW)
@@ -196,10 +217,11 @@ class ServingLoop:
         """Drop a waiting or running request (its client left), freeing its blocks; False if it
         is not here (finished, aborted or never added)."""
         for queue in (self.running, self.waiting):
-            for request in queue:
+            for index, request in enumerate(queue):
                 if request.id == request_id:
                     self._release(request)          # first: if the free raises, the request stays
-                    queue.remove(request)
+                    del queue[index]
+                    self._running_rows = None
                     self._give_row(request)
                     self.stats.running, self.stats.waiting = len(self.running), len(self.waiting)
                     return True
@@ -240,6 +262,11 @@ class ServingLoop:
                     rows.add(request.row)
                     if self.buffers.row(request.row)[:len(request.blocks)].tolist() != request.blocks:
                         problems.append(f"request {request.id}'s block-table row is not its blocks")
+                    disagreement = self.counters.disagreement(request.row, request)
+                    if disagreement:
+                        problems.append(f"request {request.id}: {disagreement}")
+        if self._running_rows is not None and self._running_rows.tolist() != [r.row for r in self.running]:
+            problems.append("the running requests' rows are stale")
         if len(self.running) > self.max_running:
             problems.append(f"{len(self.running)} running, max_running={self.max_running}")
         assert not problems, "; ".join(problems)
@@ -266,15 +293,16 @@ class ServingLoop:
         start = time.perf_counter()
         with _HeldInterrupt():
             batch = self._schedule()
-        sampled = []
-        if batch:
+        sampling: list[Request] = []
+        tokens = np.zeros(0, np.int64)
+        if batch.requests:
             sampling = self._run(batch)                 # raises: nothing was committed
             waiting = time.perf_counter()
-            sampled = list(zip(sampling, self.buffers.received_tokens(len(sampling))))
+            tokens = self.buffers.received_tokens(len(sampling))
             self.stats.last_wait_s = time.perf_counter() - waiting
         with _HeldInterrupt():
-            done = self._commit(batch, sampled)
-            self._account(batch, len(sampled), len(done), time.perf_counter() - start)
+            done = self._commit(batch, sampling, tokens)
+            self._account(batch, len(tokens), len(done), time.perf_counter() - start)
             self._release_all(done)
 
     def run_until_done(self, *, stall_timeout_s: float = 60.0) -> dict[int, list[int]]:
@@ -307,23 +335,16 @@ class ServingLoop:
         return results
 
     # -- scheduling -----------------------------------------------------------------------------
-    def _schedule(self) -> list[tuple[Request, int]]:
-        """[(request, new tokens this step)]; See Note [Scheduling]."""
+    def _schedule(self) -> _Batch:
+        """The step's batch; See Note [Scheduling]."""
         budget = self.max_batch_tokens
-        batch: list[tuple[Request, int]] = []
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget:
-            request = self.running[i]
-            n = min(len(request.tokens) - request.num_cached, budget)
-            if self._grow(request, request.num_cached + n):
-                batch.append((request, n))
-                budget -= n
-                i += 1
-                continue
-            victim = self.running[-1]           # See Note [Preemption]
-            self._preempt(victim)
-            preempted = True
+        decoding = self._decoding(budget)
+        if decoding is not None:
+            counts, preempted = [], False           # one token each
+            budget -= len(decoding)
+        else:
+            counts, preempted = self._schedule_running(budget)
+            budget -= sum(counts)
         while self.waiting and budget and not preempted and len(self.running) < self.max_running:
             request = self.waiting[0]
             n = min(len(request.tokens), budget)
@@ -331,10 +352,60 @@ class ServingLoop:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            self._running_rows = None
             request.row = self.buffers.take_row(request.blocks)
-            batch.append((request, n))
+            self.counters.admit(request.row, request)
+            counts.append(n)
             budget -= n
-        return batch
+        tokens = self.max_batch_tokens - budget
+        if decoding is not None and not counts:
+            return _Batch(self.running[:], self._rows(), decoding, np.ones(len(decoding), np.int64), tokens)
+        if decoding is not None:
+            counts = [1] * len(decoding) + counts
+        requests = self.running[:len(counts)]
+        rows = self._rows()[:len(counts)]
+        return _Batch(requests, rows, self.counters.cached[rows], np.array(counts, np.int64), tokens)
+
+    def _rows(self) -> np.ndarray:
+        """The running requests' block-table rows, in order (built once per change of the list)."""
+        if self._running_rows is None:
+            self._running_rows = np.fromiter((r.row for r in self.running), np.int64, len(self.running))
+        return self._running_rows
+
+    def _decoding(self, budget: int) -> np.ndarray | None:
+        """The decode fast path (Note [Row counters]): when every running request has just its
+        next token to run and `budget` holds them all, give a block to each that needs one for
+        it and return their cached counts, in running order; None (the general path schedules)
+        otherwise, or when an alloc returns None."""
+        running = self.running
+        if not running or len(running) > budget:
+            return None
+        rows, counters = self._rows(), self.counters
+        cached = counters.cached[rows]
+        if not (counters.length[rows] - cached == 1).all():
+            return None
+        for i in np.flatnonzero(cached >= counters.room[rows]).tolist():
+            if not self._grow(running[i], int(cached[i]) + 1):
+                return None
+        return cached
+
+    def _schedule_running(self, budget: int) -> tuple[list[int], bool]:
+        """The general path over the running requests: (their new tokens, in order, as long as the
+        budget lasts; whether one was preempted)."""
+        counts: list[int] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget:
+            request = self.running[i]
+            n = min(len(request.tokens) - request.num_cached, budget)
+            if self._grow(request, request.num_cached + n):
+                counts.append(n)
+                budget -= n
+                i += 1
+                continue
+            self._preempt_newest()              # See Note [Preemption]
+            preempted = True
+        return counts, preempted
 
     def _grow(self, request: Request, num_tokens: int) -> bool:
         """Give `request` blocks for num_tokens tokens; False (nothing changed) if none are left."""
@@ -347,11 +418,15 @@ class ServingLoop:
         if request.row >= 0:
             self.buffers.append(request.row, len(request.blocks), ids)
         request.blocks.extend(ids)
+        if request.row >= 0:
+            self.counters.room[request.row] = len(request.blocks) * self.cache.block_size
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt_newest(self) -> None:
+        request = self.running[-1]
         self._release(request)                  # first: if the free raises, nothing changed
-        self.running.remove(request)
+        self.running.pop()
+        self._running_rows = None
         self._give_row(request)
         request.num_cached = 0
         request.preemptions += 1
@@ -415,19 +490,24 @@ class ServingLoop:
         self.close()
 
     # -- the model call -------------------------------------------------------------------------
-    def _run(self, batch: list[tuple[Request, int]]) -> list[Request]:
+    def _run(self, batch: _Batch) -> list[Request]:
         """Pack the step into the buffers, launch the model call and the greedy argmax, and start
         copying the tokens to the host; returns the requests whose last token was in the step,
         in the order of their tokens (StepBuffers.received_tokens)."""
-        count = len(batch)
-        rows = np.fromiter((request.row for request, _ in batch), np.int64, count)
-        first = np.fromiter((request.num_cached for request, _ in batch), np.int64, count)
-        counts = np.fromiter((n for _, n in batch), np.int64, count)
-        sample = np.fromiter((request.num_cached + n == len(request.tokens) for request, n in batch), bool, count)
-        token_ids = list(itertools.chain.from_iterable(
-            request.tokens[request.num_cached:request.num_cached + n] for request, n in batch))
-        sampling = [request for request, _ in itertools.compress(batch, sample)]
-        decode = self.runner is not None and len(token_ids) == count and len(sampling) == count
+        counters = self.counters
+        rows, first, counts = batch.rows, batch.first, batch.counts
+        count = len(rows)
+        sample = batch.sample = first + counts == counters.length[rows]
+        if batch.tokens == count and sample.all():      # decode-only: each runs its last token
+            token_ids = counters.last[rows]
+            sampling = batch.requests
+            decode = self.runner is not None
+        else:
+            token_ids = list(itertools.chain.from_iterable(
+                request.tokens[start:start + n] for request, start, n in zip(batch.requests, first.tolist(),
+                                                                               counts.tolist())))
+            sampling = list(itertools.compress(batch.requests, sample))
+            decode = False
         if decode and self._take_pad_block():
             plan = self.buffers.pack(rows, first, counts, sample, token_ids, lanes=self.runner.bucket(count))
             launch = time.perf_counter()
@@ -444,24 +524,48 @@ class ServingLoop:
         self.buffers.send_tokens(tokens)
         return sampling
 
-    def _commit(self, batch: list[tuple[Request, int]], sampled: list[tuple[Request, int]]) -> list[Request]:
+    def _commit(self, batch: _Batch, sampling: list[Request], tokens: np.ndarray) -> list[Request]:
         """After a model call that returned: the batch's K/V count as cached, the sampled tokens
-        are appended, and the requests they complete move from running to the finished ones.
-        Returns those (their blocks still held, their block-table rows given back). Raises nothing."""
-        further = False
-        for request, n in batch:
-            request.num_cached += n
-            if request.num_cached > request.most_cached:
-                request.most_cached = request.num_cached
-                further = True
-        for request, token in sampled:
-            request.tokens.append(token)
-        done = [request for request, _ in sampled if request.done]
+        (tokens[i] of sampling[i]) are appended, and the requests they complete move from running
+        to the finished ones. Returns those (their blocks still held, their block-table rows given
+        back). Raises nothing."""
+        requests, rows, counts = batch.requests, batch.rows, batch.counts
+        if not requests:
+            return []
+        counters = self.counters
+        values = tokens.tolist()
+        if len(values) == batch.tokens == len(requests):       # decode-only
+            for request, token in zip(requests, values):
+                request.tokens.append(token)
+                # cached < len(tokens) always, so one more cached token is further than ever
+                request.num_cached = request.most_cached = request.num_cached + 1
+            further = True
+            counters.cached[rows] += 1
+            counters.length[rows] += 1
+            counters.last[rows] = tokens
+        else:
+            further = False
+            for request, n in zip(requests, counts.tolist()):
+                request.num_cached += n
+                if request.num_cached > request.most_cached:
+                    request.most_cached = request.num_cached
+                    further = True
+            for request, token in zip(sampling, values):
+                request.tokens.append(token)
+            counters.cached[rows] += counts
+            sampled_rows = rows[batch.sample]
+            counters.length[sampled_rows] += 1
+            counters.last[sampled_rows] = tokens
+        finished = np.flatnonzero(counters.length[rows] >= counters.end[rows]).tolist()
+        done = [requests[i] for i in finished]
+        for i in reversed(finished):
+            del self.running[i]                     # requests is a prefix of running
+        if finished:
+            self._running_rows = None
         for request in done:
-            self.running.remove(request)
             self._give_row(request)
             self._finished.append(request)
-        if further or sampled:
+        if further or values:
             self._progress += 1
         return done
 
@@ -482,10 +586,10 @@ class ServingLoop:
         to its workers first)."""
         return plan.forward(self.model, self.cache)
 
-    def _account(self, batch, generated: int, finished: int, elapsed: float) -> None:
+    def _account(self, batch: _Batch, generated: int, finished: int, elapsed: float) -> None:
         s = self.stats
         s.steps += 1
-        s.step_tokens = sum(n for _, n in batch)
+        s.step_tokens = batch.tokens
         s.last_step_s = elapsed
         s.generated_tokens += generated
         s.finished += finished
@@ -501,7 +605,11 @@ class ServingLoop:
 # left is prefilled in chunks over several steps, and only a request whose last token is in the
 # step gets a new token (logits_to_keep selects exactly those positions). Waiting requests are
 # admitted after, front first, while tokens, max_running and blocks allow; none is admitted in a
-# step that preempted (the memory just proved short).
+# step that preempted (the memory just proved short). So a step's requests are always a prefix
+# of the running list, in its order (the commit finds finished requests by position). When every
+# running request is decoding and the budget holds them all, a fast path gives the same batch
+# from the row counters, calling alloc only for the requests whose next token starts a block
+# (Note [Row counters] in kvcached.serving.counters).
 #
 # Note [Preemption]
 # When alloc returns None (a lowered limit, a global budget taken by another instance, a full
@@ -526,6 +634,14 @@ class ServingLoop:
 # gone) finds every request consistent, the other frees still run, and a request whose free
 # failed keeps its block ids. Preemption and abort free first and move the request after, so a
 # raising free leaves the request where it was.
+#
+# Note [Signal calls]
+# _HeldInterrupt swaps the SIGINT handler twice per step, through _signal (the C module that
+# signal wraps): signal.getsignal and signal.signal turn every handler they return into a
+# signal.Handlers member when they can, and for a function that costs a failed enum lookup,
+# about 10 us each: four of them were 40-70 us of a step's host time. _signal's functions are
+# the same calls without that conversion (SIG_DFL and SIG_IGN come back as the plain ints they
+# equal), 1-2 us per step in all.
 #
 # Note [Stalls]
 # Progress is a request getting further than it ever had (most_cached) or a token generated,

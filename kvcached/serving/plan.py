@@ -34,6 +34,16 @@ class StepPlan:
         tokens, seqs, width, logits = sizes
         return 3 * tokens + 2 * seqs + 1 + logits + seqs * width
 
+    @staticmethod
+    def offsets(sizes: tuple[int, int, int, int]) -> tuple[int, ...]:
+        """Where each field starts in ``data`` (input_ids, positions, slot_mapping, seq_lens,
+        query_start_loc, logits_index, block_tables), then its length."""
+        tokens, seqs, width, logits = sizes
+        seq_lens = 3 * tokens
+        logits_index = seq_lens + 2 * seqs + 1
+        tables = logits_index + logits
+        return 0, tokens, 2 * tokens, seq_lens, seq_lens + seqs, logits_index, tables, tables + seqs * width
+
     @classmethod
     def build(cls, input_ids: list[int], positions: list[int], slot_mapping: list[int], seq_lens: list[int],
               query_start_loc: list[int], logits_index: list[int], block_tables: list[list[int]],
