@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _procs import unique_name
+from _procs import unique_name, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -250,6 +250,68 @@ def test_budget_taken_by_another_holder_preempts(elastic, budget_name):
     finally:
         other.close()
     assert loop.stats.preemptions > 0
+
+
+def test_two_loops_share_a_fair_budget_and_lose_nothing(kv_env, budget_name):
+    """The fair policy: loop A alone maps the whole budget; once loop B has requests waiting, A is
+    capped at about half, preempts at once what it holds beyond that, and B maps at least a third
+    of the budget within the timeout. The budget is never exceeded, and every request of both
+    finishes with generate's tokens."""
+    kv_env(LAYOUT="interleaved", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=1, GLOBAL_BUDGET=budget_name,
+           GLOBAL_BUDGET_BYTES="1G")
+    init_kvcached(device="cpu", page_size_bytes=PAGE_BYTES)
+    model = serving_model("llama")
+    caches = [ElasticKVCache(model.config, NUM_BLOCKS, block_size=BLOCK_SIZE, group_id=group) for group in (0, 1)]
+    page = caches[0].manager.page_bytes
+    budget = 12 * page
+    set_budget(budget_name, budget)
+    assert read_budget(budget_name).policy == "fair"
+    loops = [ServingLoop(model, cache) for cache in caches]
+    requests = [[(0, prompt, 40) for _, prompt, _ in workload(seed=seed, count=16)] for seed in (4, 5)]
+    ids: list[dict[int, int]] = [{}, {}]
+    results: list[dict[int, list[int]]] = [{}, {}]
+
+    def step(i: int) -> None:
+        for request in loops[i].step():
+            results[i][ids[i][request.id]] = request.generated
+        assert read_budget(budget_name).held_bytes <= budget
+
+    for index, (_, prompt, new) in enumerate(requests[0]):
+        ids[0][loops[0].add_request(prompt, new)] = index
+    wait_until(lambda: step(0) or caches[0].mapped_bytes() >= budget - page, what="loop A to map the budget")
+    for index, (_, prompt, new) in enumerate(requests[1]):
+        ids[1][loops[1].add_request(prompt, new)] = index
+    wait_until(lambda: step(0) or step(1) or caches[1].mapped_bytes() >= budget // 3,
+               what="loop B to map a third of the budget")
+    assert loops[0].stats.preemptions > 0
+    while loops[0].has_work() or loops[1].has_work():
+        step(0)
+        step(1)
+    for i in (0, 1):
+        check_tokens("llama", requests[i], results[i])
+        loops[i].close()
+
+
+def test_aborted_waiting_requests_take_their_demand_with_them(kv_env, budget_name):
+    """A loop whose waiting requests are all aborted has no step left to run: abort itself
+    clears the demand they made, or the budget would cap another instance for nothing."""
+    kv_env(LAYOUT="interleaved", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0, GLOBAL_BUDGET=budget_name,
+           GLOBAL_BUDGET_BYTES="1G")
+    init_kvcached(device="cpu", page_size_bytes=PAGE_BYTES)
+    model = serving_model("llama")
+    cache = ElasticKVCache(model.config, NUM_BLOCKS, block_size=BLOCK_SIZE)
+    set_budget(budget_name, 2 * cache.manager.page_bytes)
+    loop = ServingLoop(model, cache)
+    ids = [loop.add_request(prompt, 40) for _, prompt, _ in workload(seed=6, count=8)]
+    def demand_published() -> bool:
+        loop.step()
+        return bool(loop.waiting) and cache.manager.share()["demand_bytes"] > 0
+
+    wait_until(demand_published, what="waiting requests' demand to be published")
+    for request_id in ids:
+        loop.abort(request_id)
+    wait_until(lambda: cache.manager.share()["demand_bytes"] == 0, what="the demand to be cleared")
+    loop.close()
 
 
 # -- bad input ------------------------------------------------------------------------------------

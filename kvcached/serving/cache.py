@@ -32,6 +32,8 @@ def _layer_shape(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
 class PagedKVCache:
     """What the serving loop needs of a KV cache (see the module docstring)."""
 
+    shares_budget = False       # whether it takes part in a global budget's fair shares
+
     def __init__(self, config, num_blocks: int, block_size: int, dtype: torch.dtype, kv_layout: str):
         check_kv_layout(kv_layout)
         self.num_blocks = as_int(num_blocks, "num_blocks", minimum=1, error=ValueError)

@@ -224,6 +224,8 @@ class ServingLoop:
                     self._running_rows = None
                     self._give_row(request)
                     self.stats.running, self.stats.waiting = len(self.running), len(self.waiting)
+                    if self.cache.shares_budget and queue is self.waiting:
+                        self._report_demand()       # no step may come to clear it
                     return True
         return False
 
@@ -338,6 +340,7 @@ class ServingLoop:
     def _schedule(self) -> _Batch:
         """The step's batch; See Note [Scheduling]."""
         budget = self.max_batch_tokens
+        gave_back = self.cache.shares_budget and self._follow_budget()
         decoding = self._decoding(budget)
         if decoding is not None:
             counts, preempted = [], False           # one token each
@@ -345,7 +348,7 @@ class ServingLoop:
         else:
             counts, preempted = self._schedule_running(budget)
             budget -= sum(counts)
-        while self.waiting and budget and not preempted and len(self.running) < self.max_running:
+        while self.waiting and budget and not (preempted or gave_back) and len(self.running) < self.max_running:
             request = self.waiting[0]
             n = min(len(request.tokens), budget)
             if not self._grow(request, n):
@@ -421,6 +424,24 @@ class ServingLoop:
         if request.row >= 0:
             self.counters.room[request.row] = len(request.blocks) * self.cache.block_size
         return True
+
+    def _follow_budget(self) -> bool:
+        """Under a global budget: report what the waiting requests need as demand, and give back
+        at once what the cache holds beyond its fair share, preempting the newest requests; True
+        if one was. See Note [Fair share in the loop]."""
+        self._report_demand()
+        excess = self.cache.over_limit_blocks()
+        if excess <= 0 or not self.running:
+            return False
+        while excess > 0 and self.running:
+            excess -= len(self.running[-1].blocks)
+            self._preempt_newest()
+        return True
+
+    def _report_demand(self) -> None:
+        """The blocks the waiting requests need (prompt and tokens so far), as the cache's demand."""
+        size = self.cache.block_size
+        self.cache.report_demand(sum(-(-len(request.tokens) // size) for request in self.waiting))
 
     def _preempt_newest(self) -> None:
         request = self.running[-1]
@@ -618,6 +639,15 @@ class ServingLoop:
 # is admitted again its prompt and those tokens are recomputed in one prefill, so the tokens that
 # follow are the ones it would have produced without the interruption; no request is dropped. If
 # the request that needs a block is itself the newest, it is the one preempted.
+#
+# Note [Fair share in the loop]
+# Under a global budget of the fair policy (kvcached.shm.fairness) each step tells the cache what
+# its waiting requests need (their blocks, prompt and tokens so far: what admitting them all would
+# take) and asks what it holds beyond its cap; it preempts the newest running requests until that
+# is freed, before scheduling, and admits nobody in that step. Waiting for an alloc to fail
+# instead would move the memory only when a running request next crosses a block boundary (every
+# block_size tokens), and a share change must take effect within a poll interval or two. The
+# preempted requests wait with their demand published, so the next share computation counts them.
 #
 # Note [Failed steps]
 # A step is schedule -> model call -> commit. Only the commit changes what a request has done
