@@ -83,9 +83,9 @@ def setup_from(args) -> Setup:
                         budget=24 << 30, prompt=512, new=256, max_running=256, max_batch_tokens=4096,
                         page_bytes=None, threads=None, sample_s=0.05)
     else:
-        defaults = dict(device="cpu", preset="tiny", dtype="float32", seconds=5.0, period=2.5, rate=60.0,
-                        budget=2 << 20, prompt=64, new=64, max_running=64, max_batch_tokens=1024,
-                        page_bytes=16 << 10, threads=1, sample_s=0.01)
+        defaults = dict(device="cpu", preset="tiny", dtype="float32", seconds=4.0, period=2.0, rate=40.0,
+                        budget=320 << 10, prompt=32, new=32, max_running=64, max_batch_tokens=1024,
+                        page_bytes=8 << 10, threads=1, sample_s=0.01)
     for key in ("seconds", "period", "rate", "prompt", "new"):
         if getattr(args, key) is not None:
             defaults[key] = getattr(args, key)
