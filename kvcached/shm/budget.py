@@ -461,16 +461,19 @@ def set_budget(name: str, budget_bytes: int, stale_after_s: float | None = None,
     if not os.path.exists(path):
         _create(name, budget_bytes, stale_ns or int(STALE_AFTER_S * 1e9),
                 _check_policy(DEFAULT_POLICY) if policy_value is None else policy_value)
-    seg = _Segment(name, path)
+    words = {_W_BUDGET: budget_bytes, _W_STALE: stale_ns, _W_POLICY: policy_value}
+    return _write_header(_Segment(name, path), {w: v for w, v in words.items() if v is not None})
+
+
+def _write_header(seg: _Segment, words: dict[int, int]) -> BudgetSnapshot:
+    """Write header ``words`` ({word index: value}) of a budget under its exclusive lock, after
+    checking it is one; the budget after the change. Closes ``seg``."""
     try:
         seg.lock()
         try:
             seg.head()
-            seg.write(_W_BUDGET, budget_bytes)
-            if stale_ns is not None:
-                seg.write(_W_STALE, stale_ns)
-            if policy_value is not None:
-                seg.write(_W_POLICY, policy_value)
+            for index, value in words.items():
+                seg.write(index, value)
         finally:
             seg.unlock()
         return seg.snapshot()
@@ -490,17 +493,7 @@ def set_policy(name: str, policy: str) -> BudgetSnapshot:
             the file is no budget of this version. Nothing changed.
     """
     value = _check_policy(policy)
-    seg = _Segment(validate_name(name), budget_path(name))
-    try:
-        seg.lock()
-        try:
-            seg.head()
-            seg.write(_W_POLICY, value)
-        finally:
-            seg.unlock()
-        return seg.snapshot()
-    finally:
-        seg.close()
+    return _write_header(_Segment(validate_name(name), budget_path(name)), {_W_POLICY: value})
 
 
 def set_holder_share(name: str, pid: int, *, weight: float | None = None,
