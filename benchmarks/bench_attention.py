@@ -28,7 +28,6 @@ import datetime as _dt
 import json
 import platform
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,6 +37,8 @@ import torch  # noqa: E402  (after the path insert)
 import torch.nn.functional as F  # noqa: E402
 
 from kvcached.ops import paged_attention  # noqa: E402
+
+from bench_layout import commit_of  # noqa: E402
 
 BLOCK_SIZE, KV_HEADS, HEADS, HEAD_DIM, DTYPE = 16, 8, 32, 128, torch.bfloat16
 
@@ -144,16 +145,6 @@ def bench_mixed(decode_rows: int, chunk: int, reps: int) -> dict:
     return dict(case="mixed step", decode_rows=decode_rows, chunk=chunk, paged_ms=round(paged_ms, 4),
                 per_request_torch_ms=round(torch_ms, 4), speedup=round(torch_ms / paged_ms, 1),
                 max_abs_diff=float(f"{diff:.3g}"))
-
-
-def commit_of(given: str | None) -> str:
-    if given:
-        return given
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def main(argv=None) -> int:
