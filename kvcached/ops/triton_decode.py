@@ -24,6 +24,16 @@ TOKENS_PER_SPLIT_MIN = 512      # a split reads at least this many tokens (else 
 _TILE_BYTES = 16 << 10          # one K (or V) tile of BLOCK_N x D_PAD elements per pipeline stage
 
 
+@triton.jit
+def cache_pointer(addr, CACHE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """A cache's base address (int64) as a pointer to its elements, 16-byte aligned if ALIGNED.
+    See Note [Cache base address]."""
+    ptr = addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
 @triton.jit(do_not_specialize=["window", "s_table"])     # See Note [One compile per model]
 def _decode_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, out_ptr, m_part_ptr, l_part_ptr, o_part_ptr,
                    scale_log2, window,
@@ -35,12 +45,8 @@ def _decode_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, out_ptr, m_pa
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, CACHE_DTYPE: tl.constexpr,
                    ALIGNED: tl.constexpr):
-    # See Note [Cache base address].
-    k_ptr = k_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
-    v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
-    if ALIGNED:
-        k_ptr = tl.multiple_of(k_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
+    k_ptr = cache_pointer(k_addr, CACHE_DTYPE, ALIGNED)
+    v_ptr = cache_pointer(v_addr, CACHE_DTYPE, ALIGNED)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

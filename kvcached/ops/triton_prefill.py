@@ -19,7 +19,7 @@ import triton  # type: ignore[import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from ._args import CacheGeometry
-from .triton_decode import LOG2_E, aligned, device_of, element_type
+from .triton_decode import LOG2_E, aligned, cache_pointer, device_of, element_type
 
 
 @triton.jit
@@ -77,13 +77,9 @@ def _prefill_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, starts_ptr, 
                     D_PAD: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                     USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, CACHE_DTYPE: tl.constexpr,
                     ALIGNED: tl.constexpr):
-    # See Note [Cache base address] in triton_decode.
-    k_ptr = k_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
-    v_ptr = v_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
-    if ALIGNED:
-        # The alignment Triton would have seen on a pointer argument. See Note [Prefill kernel shape].
-        k_ptr = tl.multiple_of(k_ptr, 16)
-        v_ptr = tl.multiple_of(v_ptr, 16)
+    # See Note [Cache base address] in triton_decode, and Note [Prefill kernel shape] (Alignment).
+    k_ptr = cache_pointer(k_addr, CACHE_DTYPE, ALIGNED)
+    v_ptr = cache_pointer(v_addr, CACHE_DTYPE, ALIGNED)
     # The last tiles of a request attend to the most tokens: start them first (a shorter tail).
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -10,7 +10,7 @@ import triton  # type: ignore[import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from ._args import CacheGeometry
-from .triton_decode import device_of, element_type
+from .triton_decode import cache_pointer, device_of, element_type
 
 
 @triton.jit
@@ -19,9 +19,8 @@ def _write_kernel(key_ptr, value_ptr, k_cache_addr, v_cache_addr, slot_ptr,
                   ck_block, ck_token, ck_head, ck_dim, cv_block, cv_token, cv_head, cv_dim,
                   BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                   CACHE_DTYPE: tl.constexpr):
-    # See Note [Cache base address] in triton_decode.
-    k_cache_ptr = k_cache_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
-    v_cache_ptr = v_cache_addr.to(tl.int64).to(tl.pointer_type(CACHE_DTYPE))
+    k_cache_ptr = cache_pointer(k_cache_addr, CACHE_DTYPE, False)
+    v_cache_ptr = cache_pointer(v_cache_addr, CACHE_DTYPE, False)
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token).to(tl.int64)
