@@ -24,6 +24,21 @@ def stack_factory():
 
 
 @pytest.fixture
+def budget_name():
+    """A global budget's name no other test uses; the budget is deleted afterwards if it was made."""
+    from _procs import unique_name
+    from kvcached.errors import KVCachedError
+    from kvcached.shm.budget import delete_budget
+
+    name = unique_name("budget")
+    yield name
+    try:
+        delete_budget(name, force=True)
+    except KVCachedError:
+        pass
+
+
+@pytest.fixture
 def host_backend() -> HostBackend:
     """A host backend of 64 KiB granules with room for 16 of them (small enough to run out)."""
     return HostBackend(GRANULARITY, 16 * GRANULARITY)

@@ -407,18 +407,6 @@ def test_debug_checks_setting_is_honoured(kv_env):
 
 # -- global budget ---------------------------------------------------------------------------------
 
-@pytest.fixture
-def budget_name():
-    from kvcached.shm.budget import delete_budget
-
-    name = f"test-lifecycle-{os.getpid()}-{time.monotonic_ns()}"
-    yield name
-    try:
-        delete_budget(name, force=True)
-    except Exception:  # noqa: BLE001 - not created by this test
-        pass
-
-
 def test_null_block_under_a_budget_closes_cleanly(kv_env, budget_name):
     """The null block's page is mapped through the budget gate, so close() gives back exactly
     what was taken (it used to be mapped before the gate existed, and close() raised)."""

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _procs import unique_name, wait_until
+from _procs import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcached import core, init_kvcached, shutdown_kvcached
-from kvcached.shm.budget import Budget, delete_budget, read_budget, set_budget
-from kvcached.errors import KVCachedError
+from kvcached.shm.budget import Budget, read_budget, set_budget
 from kvcached.serving import (
     ATTENTION_NAME,
     ElasticKVCache,
@@ -212,16 +211,6 @@ def test_random_limit_drops_lose_nothing(elastic, seed, layout, family, drop_at,
         check_tokens(family, requests, serve(loop, requests, during=change))
     finally:
         shutdown_kvcached()
-
-
-@pytest.fixture
-def budget_name():
-    name = unique_name("serve")
-    yield name
-    try:
-        delete_budget(name, force=True)
-    except KVCachedError:
-        pass
 
 
 def test_budget_taken_by_another_holder_preempts(elastic, budget_name):

@@ -21,7 +21,7 @@ import pytest
 from _procs import ENV, KvtopTerminal, kvctl, run_module, unique_name, wait_until
 from kvcached.errors import KVCachedError
 from kvcached.shm import budget as kb
-from kvcached.shm.budget import delete_budget, read_budget
+from kvcached.shm.budget import read_budget
 from kvcached.shm.client import list_segments, read_segment
 from kvcached.sizes import format_bytes
 
@@ -107,16 +107,6 @@ def managers():
                 kvctl("gc")
         except KVCachedError:
             pass
-
-
-@pytest.fixture
-def budget_name():
-    name = unique_name("share")
-    yield name
-    try:
-        delete_budget(name, force=True)
-    except KVCachedError:
-        pass
 
 
 def poll(what: str, check, timeout_s: float = WAIT_S):

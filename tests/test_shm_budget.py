@@ -39,13 +39,8 @@ pytestmark = pytest.mark.usefixtures("shm_clean")
 
 
 @pytest.fixture
-def name():
-    name = unique_name("bud")
-    yield name
-    try:
-        delete_budget(name, force=True)
-    except KVCachedError:
-        pass
+def name(budget_name):
+    return budget_name
 
 
 def test_acquire_within_budget_only(name):
