@@ -119,8 +119,8 @@ def test_publish_refuses_figures_a_segment_cannot_hold(tracker, used, reserved):
 def test_silent_heartbeat_is_stale_but_never_collected():
     """An owner that is alive but whose heartbeat stopped (hung) is reported stale, not dead."""
     with MemInfoTracker(unique_name("hung"), heartbeat_interval_s=600) as t:
-        while t.snapshot().heartbeat_ns == t.snapshot().created_ns:
-            time.sleep(0.001)  # the first beat; the next is 600 s away
+        wait_until(lambda: t.snapshot().heartbeat_ns != t.snapshot().created_ns,
+                   what="the first beat (the next is 600 s away)")
         fd = os.open(t.path, os.O_RDWR)
         try:
             old_ns = time.time_ns() - int(2 * seg.STALE_AFTER_S * 1e9)
