@@ -6,9 +6,10 @@ static torch cache, transformers' own continuous batching as the anchor, and the
     python benchmarks/bench_serve.py --skip handover --requests 256 --prompt 512 --new 256 \
         --json benchmarks/results/serve-h200.json                   # the end-to-end target run
 
-Every loop runs in two modes (--graphs picks): "eager" (every step a plain model call) and
-"graphs" (decode-only steps replay a CUDA graph per padded batch size; on the CPU the same padded
-runner without capture). Prints three tables:
+Every loop runs in the modes --modes lists: "eager" (every step a plain model call), "graphs"
+(decode-only steps replay a CUDA graph per padded batch size; on the CPU the same padded runner
+without capture) and "compiled" (graphs, over torch.compile's program of the model: every step
+compiled, the small ops fused; its first steps compile). Prints three tables:
 1. decode step: median time of one decode step of `batch` requests (every request one new token,
    contexts of --prompt tokens), static cache vs kvcached in alternating rounds, each mode;
    tokens/s = batch / step time, and the host time of a step outside its model call (outside
@@ -43,7 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 BLOCK_SIZE = 16
-MODES = {"eager": False, "graphs": True}        # ServingLoop's cuda_graphs per mode
+# ServingLoop's options per mode
+MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True},
+         "compiled": {"cuda_graphs": True, "compile_model": True}}
 
 
 def mixed_prompt(setup) -> int:
@@ -66,11 +69,14 @@ class Setup:
     page_bytes: int | None          # None: the default (KVCACHED_PAGE_SIZE_MB)
     budget_pages: int
     threads: int | None
-    modes: tuple[str, ...] = tuple(MODES)
+    modes: tuple[str, ...] = ("eager", "graphs")
 
 
 def setup_from(args) -> Setup:
-    modes = tuple(MODES) if args.graphs == "both" else ("graphs",) if args.graphs == "on" else ("eager",)
+    modes = tuple(args.modes.split(","))
+    unknown = [mode for mode in modes if mode not in MODES]
+    if unknown:
+        raise SystemExit(f"--modes {args.modes}: {', '.join(unknown)} unknown; use a comma list of {', '.join(MODES)}")
     if args.quick:
         return Setup("cpu", "tiny", torch.float32, [1, 4], 8, 3, 2, 4, 8, 64 << 10, 16, 1, modes)
     cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -116,7 +122,7 @@ def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list
     warmup = 2
     new = 1 + warmup + setup.steps
     loop = ServingLoop(model, cache, max_batch_tokens=max(setup.prompt * batch, 1), max_running=batch,
-                       max_tokens=setup.prompt + new, cuda_graphs=MODES[mode])
+                       max_tokens=setup.prompt + new, **MODES[mode])
     try:
         for prompt in prompts(batch, setup.prompt, model.config.vocab_size, seed=batch):
             loop.add_request(prompt, new)
@@ -148,7 +154,7 @@ def mixed_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list[
     new = 3 + 2 * setup.steps
     loop = ServingLoop(model, cache, max_batch_tokens=max(setup.prompt * batch, batch + mixed_prompt(setup) + setup.steps),
                        max_running=batch + setup.steps, max_tokens=max(setup.prompt, mixed_prompt(setup)) + new,
-                       cuda_graphs=MODES[mode])
+                       **MODES[mode])
     try:
         for prompt in prompts(batch, setup.prompt, model.config.vocab_size, seed=batch):
             loop.add_request(prompt, new)
@@ -210,7 +216,7 @@ def run_loop(model, cache, work: list[list[int]], new: int, mode: str) -> tuple[
     from kvcached.serving import ServingLoop
 
     loop = ServingLoop(model, cache, max_batch_tokens=4096, max_running=len(work),
-                       max_tokens=max(map(len, work)) + new, cuda_graphs=MODES[mode])
+                       max_tokens=max(map(len, work)) + new, **MODES[mode])
     try:
         for prompt in work:
             loop.add_request(prompt, new)
@@ -465,8 +471,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64, help="new tokens per request, end to end")
     parser.add_argument("--budget-pages", type=int, default=16, help="global budget of the handover, in page ids")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,e2e,handover")
-    parser.add_argument("--graphs", choices=("both", "on", "off"), default="both",
-                        help="loop modes to run: both (eager and graphs, side by side), on (graphs) or off (eager)")
+    parser.add_argument("--modes", default="eager,graphs",
+                        help="comma list of loop modes to run side by side: eager, graphs, compiled")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     setup = setup_from(args)

@@ -104,10 +104,10 @@ step_bench_layout() {
 }
 
 step_bench_serve() {
-    "$PYTHON" benchmarks/bench_serve.py --device cuda --skip handover --batches 64,256 --prompt 512 \
-        --json "$OUT/bench_serve.json" &&
-        "$PYTHON" benchmarks/bench_serve.py --device cuda --skip decode,handover --requests 256 --prompt 512 \
-            --new 256 --json "$OUT/bench_serve_e2e.json"
+    "$PYTHON" benchmarks/bench_serve.py --device cuda --skip e2e,handover --modes graphs,compiled \
+        --batches 64,256 --prompt 512 --steps 5 --rounds 1 --json "$OUT/bench_serve.json" &&
+        "$PYTHON" benchmarks/bench_serve.py --device cuda --skip decode,handover --modes graphs,compiled \
+            --requests 256 --prompt 512 --new 256 --json "$OUT/bench_serve_e2e.json"
 }
 
 step_bench_attention() {

@@ -361,7 +361,7 @@ def test_stall_is_reported_not_hung(elastic):
 
 def test_attention_outside_the_loop_is_refused():
     model = serving_model("llama")
-    with pytest.raises(TypeError, match="kv_step"):
+    with pytest.raises(RuntimeError, match="attends within a step"):
         model(input_ids=torch.tensor([[1, 2]]), use_cache=False)
 
 

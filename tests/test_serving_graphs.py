@@ -75,6 +75,25 @@ def test_runner_matches_eager_and_generate(family, batch):
     assert loops[True].cache.available_blocks() == NUM_BLOCKS
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("graphs", [False, True])
+def test_compiled_model_matches_generate(graphs):
+    """compile_model: every step runs torch.compile's program of the model (Mistral: sliding
+    window in every layer), decode, prefill and mixed steps, with preemptions from a tight cache:
+    generate's tokens (fullgraph: a graph break would raise)."""
+    model = serving_model("mistral")
+    requests = workload(seed=5, count=9, longest=20, max_new=24)
+    cache = StaticKVCache(model.config, 16, block_size=4)
+    with ServingLoop(model, cache, max_batch_tokens=24, max_running=8, cuda_graphs=graphs,
+                     compile_model=True) as loop:
+        results, _ = serve_stepping(loop, requests)
+        stats = loop.stats
+        assert stats.preemptions > 0 and stats.eager_steps > 0
+        assert (stats.runner_steps > 0) == graphs
+        assert loop.step_model is not model
+    check_generate("mistral", requests, results)
+
+
 def test_cuda_graphs_default_is_off_on_the_cpu():
     model = serving_model("llama")
     cache = StaticKVCache(model.config, 16, block_size=4)
@@ -231,7 +250,7 @@ def gpu_workload(seed: int, count: int = 24) -> list[tuple[int, list[int], int]]
             for _ in range(count)]
 
 
-def gpu_serve(model, requests, *, graphs: bool, capture: bool = True, squeeze: bool = False):
+def gpu_serve(model, requests, *, graphs: bool, capture: bool = True, squeeze: bool = False, compile_model=False):
     """Serve over an ElasticKVCache on cuda:0. `squeeze` gives it 48 blocks (a 2 MiB page holds
     every block of the tiny model, so a limit would not bite: a full cache preempts instead) and
     trims the pool every 5 steps. Each call initialises kvcached and shuts it down (a group's
@@ -239,7 +258,7 @@ def gpu_serve(model, requests, *, graphs: bool, capture: bool = True, squeeze: b
     init_kvcached(device="cuda:0")
     cache = ElasticKVCache(model.config, 48 if squeeze else 1024, block_size=16, dtype=torch.bfloat16,
                            device="cuda:0")
-    loop = ServingLoop(model, cache, max_running=20, cuda_graphs=graphs)
+    loop = ServingLoop(model, cache, max_running=20, cuda_graphs=graphs, compile_model=compile_model)
     if loop.runner is not None:
         loop.runner.capture = capture
     ids: dict[int, int] = {}
@@ -278,6 +297,20 @@ def test_gpu_graphs_match_the_uncaptured_runner(kv_env, family, squeeze):
     assert replayed == eager
     assert stats.graph_replays == stats.runner_steps > 0
     assert not squeeze or stats.preemptions > 0
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_compiled_graphs_match_the_compiled_runner(kv_env):
+    """bf16, compile_model: graphs captured over the compiled program (kvcached's operator inside)
+    against the same program run uncaptured, with preemptions and trims between replays."""
+    kv_env(LAYOUT="auto")
+    model = build_model("qwen2", dtype=torch.bfloat16, device="cuda")
+    requests = gpu_workload(seed=7)
+    eager, _ = gpu_serve(model, requests, graphs=True, capture=False, squeeze=True, compile_model=True)
+    replayed, stats = gpu_serve(model, requests, graphs=True, squeeze=True, compile_model=True)
+    assert replayed == eager
+    assert stats.graph_replays == stats.runner_steps > 0 and stats.preemptions > 0
 
 
 @pytest.mark.gpu

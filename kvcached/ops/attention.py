@@ -191,7 +191,7 @@ def decode_torch(query, k_cache, v_cache, block_tables, seq_lens, scale, window,
     padded batch, masked, fp32 softmax. Arguments as paged_decode, already checked."""
     batch, heads, head_dim = query.shape
     if batch == 0:
-        return torch.empty_like(query)
+        return torch.empty_like(query, memory_format=torch.contiguous_format)
     bs, kv_heads = geometry.block_size, geometry.num_kv_heads
     lens = seq_lens.long()
     if not query.is_cuda:
@@ -236,7 +236,7 @@ def _prefill(query, k_cache, v_cache, block_tables, seq_lens, starts, scale, win
     if not query.is_cuda:
         _check_block_ids(block_tables, torch.tensor(first_tokens) // bs, (torch.tensor(lens) - 1) // bs + 1,
                          geometry.num_blocks)
-    out = torch.empty_like(query)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
     for r, seq_len in enumerate(lens):
         q = query[starts[r]:starts[r + 1]]                                  # [q_len, H, D]
         first_query = seq_len - q.shape[0]

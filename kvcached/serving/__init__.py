@@ -6,7 +6,8 @@
 - ``ElasticKVCache(config, num_blocks, block_size=, dtype=, device=, kv_layout=, group_id=,
   pool_name=)``: kvcached tensors + a KVCacheManager (``.manager`` takes limits);
   ``StaticKVCache(...)``: a torch slab and a free list, the baseline. Both are PagedKVCache.
-- ``ServingLoop(model, cache, max_batch_tokens=, max_running=, max_tokens=, cuda_graphs=)``:
+- ``ServingLoop(model, cache, max_batch_tokens=, max_running=, max_tokens=, cuda_graphs=,
+  compile_model=)``:
   ``add_request(prompt_ids, max_new_tokens) -> id``, ``step() -> finished Requests``,
   ``run_until_done() -> {id: tokens}`` (``LoopStalledError`` when no request can progress),
   ``take_finished()``, ``has_work()``, ``abort(id)``, ``check_invariants()``, ``capture_graphs()``,
@@ -18,10 +19,11 @@
   rank's heads and MLP columns; ``shard_config(model.config, model.kvcached_shard)`` is what that rank's KV cache
   is built from; ``TensorParallelLoop(model, cache, group=)`` (a ServingLoop) runs on rank 0 and
   ``TensorParallelWorker(model, cache, group=).run()`` on the others. ``StepPlan`` is one step's
-  inputs as one tensor (what rank 0 broadcasts).
+  inputs as one tensor (what rank 0 broadcasts); ``plan.forward(model, cache)`` runs the model
+  over it inside ``running_step(StepMetadata(...))``, which is where the attention finds the step.
 """
 
-from .attention import ATTENTION_NAME, STEP_KWARG, StepMetadata
+from .attention import ATTENTION_NAME, StepMetadata, running_step
 from .buffers import StepBuffers
 from .cache import ElasticKVCache, PagedKVCache, StaticKVCache, kv_geometry
 from .graphs import DecodeRunner, decode_buckets
@@ -35,7 +37,6 @@ __all__ = [
            "ATTENTION_NAME",
            "FAMILIES",
            "PRESETS",
-           "STEP_KWARG",
            "DecodeRunner",
            "ElasticKVCache",
            "LoopStalledError",
@@ -54,6 +55,7 @@ __all__ = [
            "decode_buckets",
            "kv_geometry",
            "model_config",
+           "running_step",
            "shard_config",
            "shard_model",
 ]

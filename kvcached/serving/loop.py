@@ -143,6 +143,13 @@ class ServingLoop:
     block]). ``capture_graphs()`` captures every batch size up front; otherwise each is captured
     on its first use.
 
+    compile_model: every step calls ``torch.compile(model, dynamic=True, fullgraph=True)`` instead
+    of the model itself, one compiled program for every batch size (kvcached's attention stays one
+    opaque operator: Note [A compiled model]). It fuses the small ops transformers launches one by
+    one (norms, rotary embedding, activations), which a CUDA graph replays but cannot merge. The
+    first steps of each new shape class compile (seconds to minutes); tokens stay those of the
+    uncompiled model up to floating-point rounding.
+
     A step that raises (the model call: device out of memory, a kernel error, Ctrl-C; or the
     cache's alloc) changes no request's tokens or cached count: call step() or run_until_done()
     again and it redoes that work, the tokens as in an undisturbed run (Note [Failed steps]).
@@ -152,13 +159,15 @@ class ServingLoop:
     """
 
     def __init__(self, model, cache, *, max_batch_tokens: int = 2048, max_running: int = 256,
-                 max_tokens: int | None = None, cuda_graphs: bool | None = None):
+                 max_tokens: int | None = None, cuda_graphs: bool | None = None, compile_model: bool = False):
         implementation = getattr(model.config, "_attn_implementation", None)
         if implementation != ATTENTION_NAME:
             raise ValueError(f"the model runs attn_implementation={implementation!r}; build it with "
                              f"attn_implementation={ATTENTION_NAME!r} (kvcached.serving.build_model does) or call "
                              f"model.set_attn_implementation({ATTENTION_NAME!r})")
         self.model = model
+        # what each step calls: the model, or its compiled program
+        self.step_model = torch.compile(model, dynamic=True, fullgraph=True) if compile_model else model
         self.cache = cache
         self.max_batch_tokens = as_int(max_batch_tokens, "max_batch_tokens", minimum=1, error=ValueError)
         self.max_running = as_int(max_running, "max_running", minimum=1, error=ValueError)
@@ -176,7 +185,7 @@ class ServingLoop:
                                    width=-(-max(self.max_tokens, 1) // cache.block_size), block_size=cache.block_size,
                                    device=self.device)
         self.counters = RowCounters(self.max_running, cache.block_size)     # See Note [Row counters]
-        self.runner = DecodeRunner(model, cache, self.max_running, capture=self.device.type == "cuda") \
+        self.runner = DecodeRunner(self.step_model, cache, self.max_running, capture=self.device.type == "cuda") \
             if cuda_graphs else None
         self.pad_block: int | None = None       # See Note [Pad block]
         if self.runner is not None:
@@ -605,7 +614,7 @@ class ServingLoop:
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """The logits of the step's sampled positions (a tensor-parallel leader sends the plan
         to its workers first)."""
-        return plan.forward(self.model, self.cache)
+        return plan.forward(self.step_model, self.cache)
 
     def _account(self, batch: _Batch, generated: int, finished: int, elapsed: float) -> None:
         s = self.stats

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import STEP_KWARG, StepMetadata
+from .attention import StepMetadata, running_step
 
 NUM_SIZES = 4                   # num_tokens, num_seqs, table_width, num_logits
 
@@ -99,7 +99,7 @@ class StepPlan:
         step = StepMetadata(cache=cache, slot_mapping=self.slot_mapping, block_tables=self.block_tables,
                             seq_lens=self.seq_lens, query_start_loc=self.query_start_loc)
         keep = self.logits_index if logits else self.logits_index[:0]
-        with torch.inference_mode():
+        with torch.inference_mode(), running_step(step):
             out = model(input_ids=self.input_ids.unsqueeze(0), position_ids=self.positions.unsqueeze(0),
-                        use_cache=False, logits_to_keep=keep, **{STEP_KWARG: step})
+                        use_cache=False, logits_to_keep=keep)
         return out.logits[0]
