@@ -244,7 +244,9 @@ def run_generate_batch(model, work: list[list[int]], new: int, setup: Setup) -> 
     if "continuous_batching_config" in inspect.signature(model.generate_batch).parameters:
         from transformers import ContinuousBatchingConfig
 
-        page = getattr(ContinuousBatchingConfig(), "page_size", None) or BLOCK_SIZE     # tokens per block there
+        defaults = ContinuousBatchingConfig()
+        # tokens per block there: page_size (5.2x), block_size, else its 256-token blocks
+        page = getattr(defaults, "page_size", None) or getattr(defaults, "block_size", None) or 256
         sizing = {"num_blocks": len(work) * -(-(setup.prompt + new) // page) + 64, "max_batch_tokens": 4096}
         kwargs["continuous_batching_config"] = ContinuousBatchingConfig(**sizing)
     model.set_attn_implementation("sdpa")

@@ -142,6 +142,7 @@ def instance(index: int, setup: Setup, env: dict, limit: int | None, arrivals: l
     if limit is not None:
         cache.manager.set_memory_limit(limit, revision=1)
     loop = ServingLoop(model, cache, max_batch_tokens=setup.max_batch_tokens, max_running=setup.max_running)
+    loop.capture_graphs()               # at start-up, as an engine does (CUDA only)
     rng = random.Random(setup.seed * 1000 + index)
     prompts = [[rng.randrange(1, model.config.vocab_size) for _ in range(setup.prompt)] for _ in arrivals]
     samples: list[tuple[float, int]] = []

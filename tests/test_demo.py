@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcached.demo.__main__ import DEFAULT_OUT, png_path
+from kvcached.demo.figures import describe, phase_figures
 from kvcached.demo.run import TokenRates
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,6 +101,36 @@ def test_the_output_reports_both_instances_serving(short_run):
         assert last["generated_tokens"] > 0
     for name in names:                       # the live view's lines (stdout is not a terminal)
         assert any(name in line and "tok/s" in line and "preempted" in line for line in done.stdout.splitlines())
+    for line in describe(record):            # the sharing figures, one line per phase
+        assert line in done.stdout
+
+
+def _record(phases, samples, budget=1000):
+    return {"budget": {"bytes": budget}, "instances": [{"name": "a"}, {"name": "b"}],
+            "phases": [{"label": label, "share": share, "start_s": start, "end_s": end}
+                       for label, share, start, end in phases],
+            "samples": [{"t_s": t, "instances": [{"mapped_bytes": a}, {"mapped_bytes": b}]} for t, a, b in samples]}
+
+
+def test_phase_figures_settled_parts_and_time_to_a_quarter():
+    """b joins in the second phase: its time to 25 % of the budget counts from that phase's
+    start; the parts held are the means over each phase's second half only."""
+    record = _record([("a busy", [1.0, 0.0], 0.0, 4.0), ("both", [0.5, 0.5], 4.0, 8.0)],
+                     [(0.5, 100, 0), (2.0, 900, 0), (3.0, 1000, 0), (4.5, 900, 100), (5.25, 700, 250),
+                      (6.0, 500, 500), (7.0, 400, 600)])
+    first, second = phase_figures(record)
+    assert first["held"] == [0.95, 0.0] and first["newly_loaded"] == [True, False]
+    assert first["reached_s"] == [2.0, None]
+    assert second["held"] == [0.45, 0.55] and second["newly_loaded"] == [False, True]
+    assert second["reached_s"] == [None, 1.25]
+    assert describe(record)[1] == "both: budget held over the second half: a 45%, b 55% (newly loaded, held 25% after 1.25 s)"
+
+
+def test_phase_figures_say_when_a_new_load_never_got_a_quarter():
+    record = _record([("a busy", [1.0, 0.0], 0.0, 2.0), ("b busy", [0.0, 1.0], 2.0, 4.0)],
+                     [(0.5, 1000, 0), (1.5, 1000, 0), (2.5, 1000, 0), (3.5, 900, 100)])
+    assert phase_figures(record)[1]["reached_s"] == [None, None]
+    assert "b 10% (newly loaded, never held 25%)" in describe(record)[1]
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from ..errors import KVCachedError
 from ..shm.budget import delete_budget, read_budget, set_budget
 from ..shm.client import delete_segment, read_segment
 from ..sizes import format_bytes
-from . import plot
+from . import figures, plot
 from .instance import InstanceSpec, Workload, serve
 from .schedule import Phase, phase_at, phases
 from .view import Frame, Row, make_view
@@ -318,6 +318,8 @@ def _write(record: dict, out_png: str) -> None:
         summary.append(f"{instance['name']}: {last['generated_tokens']} tokens generated, "
                        f"{last['preemptions']} preemptions")
     print("; ".join(summary), flush=True)
+    for line in figures.describe(record):
+        print(line, flush=True)
     print(f"memory per instance over time: {os.path.abspath(out_png)} (samples: {os.path.abspath(json_path)})",
           flush=True)
 
