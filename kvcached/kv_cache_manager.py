@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -539,6 +539,13 @@ class KVCacheManager:
         self._check_open()
         self._reported_demand = blocks
 
+    def pages_of(self, block_ids: Iterable[int]) -> list[int]:
+        """The page id each block id lies in: the blocks of one page go back to the device
+        together, so an engine that must give memory back frees whole pages' holders (the
+        serving loop does, Note [Fair share in the loop]). Ids are not checked. O(len)."""
+        num, den = self._blocks.id_to_page_num, self._blocks.id_to_page_den
+        return [int(b) * num // den for b in block_ids]
+
     def over_limit_blocks(self) -> int:
         """Blocks this engine holds beyond what its current limit (the operator's, or the
         budget's cap while another instance waits for its fair share; the lower) lets its pages
@@ -552,6 +559,17 @@ class KVCacheManager:
         stats = self._blocks.stats()
         fits = limit_pages * stats["total_blocks"] // max(1, self.num_pages)
         return max(0, stats["allocated"] + stats["held"] - fits)
+
+    def over_limit_pages(self) -> int:
+        """Pages holding blocks beyond the current limit (as over_limit_blocks); 0 if none. Freeing
+        over_limit_blocks() blocks fits the blocks under the limit, but a page goes back only once
+        every block on it is free: this is how many pages must empty. O(1)."""
+        self._check_open()
+        with self._limit_lock:
+            limit_pages = self._limit_pages()
+        if limit_pages < 0:
+            return 0
+        return max(0, self._blocks.stats()["owned_pages"] - limit_pages)
 
     def share(self) -> dict | None:
         """This instance's place in its global budget: policy, weight, min_bytes, demand_bytes

@@ -241,6 +241,34 @@ def test_budget_taken_by_another_holder_preempts(elastic, budget_name):
     assert loop.stats.preemptions > 0
 
 
+def test_a_cap_below_the_mapped_pages_empties_whole_pages_at_once(elastic, budget_name):
+    """16 requests decoding in lockstep (every page holds blocks of several of them) under a
+    global budget; the limit drops to half the pages mapped: the next step preempts the holders
+    of whole pages, and the cache maps no more than the limit right after it (preempting the
+    newest requests until the blocks fit emptied no page and left the pages mapped). Every
+    request still finishes with generate's tokens."""
+    cache = elastic("llama", GLOBAL_BUDGET=budget_name, GLOBAL_BUDGET_BYTES="1G")
+    page = cache.manager.page_bytes
+    requests = [(0, prompt, 40) for _, prompt, _ in workload(seed=9, count=16, longest=12)]
+    loop = ServingLoop(serving_model("llama"), cache)
+    seen = {}
+
+    def drop(step: int) -> None:
+        if step == 12:
+            seen["mapped"] = cache.mapped_bytes()
+            seen["limit"] = seen["mapped"] // page // 2 * page
+            cache.manager.set_memory_limit(seen["limit"], revision=1)
+        elif step == 13:
+            seen["after"] = cache.mapped_bytes()
+            seen["preempted"] = loop.stats.preemptions
+            cache.manager.set_memory_limit(-1, revision=2)
+
+    check_tokens("llama", requests, serve(loop, requests, during=drop))
+    assert seen["mapped"] >= 4 * page
+    assert 0 < seen["preempted"] < 16
+    assert seen["after"] <= seen["limit"], seen
+
+
 def test_two_loops_share_a_fair_budget_and_lose_nothing(kv_env, budget_name):
     """The fair policy: loop A alone maps the whole budget; once loop B has requests waiting, A is
     capped at about half, preempts at once what it holds beyond that, and B maps at least a third

@@ -546,8 +546,17 @@ def test_refused_allocations_are_demand(monkeypatch, budget_name):
         wait_until(lambda: second.share()["demand_bytes"] > 0, what="the refused blocks published")
         wait_until(lambda: first.share()["cap_bytes"] == 4 * page, what="the first capped at half")
         assert first.over_limit_blocks() == 4 * bpp and second.over_limit_blocks() == 0
+        assert first.over_limit_pages() == 4 and second.over_limit_pages() == 0
         assert first.alloc(1) is None                               # beyond its cap
-        first.free(held[4 * bpp:])
+        # Half the blocks of every page freed: the blocks fit under the cap, the pages do not.
+        by_page: dict[int, list[int]] = {}
+        for block, page_id in zip(held, first.pages_of(held)):
+            by_page.setdefault(page_id, []).append(block)
+        assert len(by_page) == 8 and all(len(blocks) == bpp for blocks in by_page.values())
+        first.free([block for blocks in by_page.values() for block in blocks[:bpp // 2]])
+        assert first.over_limit_blocks() == 0 and first.over_limit_pages() == 4
+        first.free([block for blocks in list(by_page.values())[:4] for block in blocks[bpp // 2:]])
+        assert first.over_limit_pages() == 0
         wait_until(lambda: second.alloc(4 * bpp) is not None, what="the second mapping its share")
         assert read_budget(budget_name).held_bytes == 8 * page
     finally:

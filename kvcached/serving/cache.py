@@ -83,6 +83,15 @@ class PagedKVCache:
         what this instance holds beyond its share while another waits. 0 for a static cache."""
         return 0
 
+    def over_limit_pages(self) -> int:
+        """Pages that must empty to meet the same cap as over_limit_blocks. 0 for a static cache."""
+        return 0
+
+    def pages_of(self, ids: list[int]) -> list[int]:
+        """The page each block id lies in (blocks of one page go back to the device together);
+        a static cache's blocks are their own pages."""
+        return list(ids)
+
     def mapped_bytes(self) -> int:
         """Device memory the cache holds now."""
         raise NotImplementedError
@@ -226,6 +235,12 @@ class ElasticKVCache(PagedKVCache):
         """Only under a global budget: the fair cap moves memory between instances, and waiting
         for this instance's next failed alloc would hold the other one up for steps."""
         return self.manager.over_limit_blocks() if self.shares_budget else 0
+
+    def over_limit_pages(self) -> int:
+        return self.manager.over_limit_pages() if self.shares_budget else 0
+
+    def pages_of(self, ids: list[int]) -> list[int]:
+        return self._scheduler().pages_of(ids)
 
     def mapped_bytes(self) -> int:
         """Memory the cache holds now; under tensor parallelism, rank 0 counts every rank's."""

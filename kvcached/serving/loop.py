@@ -439,13 +439,34 @@ class ServingLoop:
         at once what the cache holds beyond its fair share, preempting the newest requests; True
         if one was. See Note [Fair share in the loop]."""
         self._report_demand()
-        excess = self.cache.over_limit_blocks()
-        if excess <= 0 or not self.running:
+        excess, pages = self.cache.over_limit_blocks(), self.cache.over_limit_pages()
+        if (excess <= 0 and pages <= 0) or not self.running:
             return False
-        while excess > 0 and self.running:
-            excess -= len(self.running[-1].blocks)
-            self._preempt_newest()
+        for request in self._page_emptying_victims(excess, pages):
+            self._preempt(request)
         return True
+
+    def _page_emptying_victims(self, excess: int, pages: int) -> list[Request]:
+        """Running requests whose preemption empties at least `pages` pages and frees at least
+        `excess` blocks, newest first: the page whose not yet chosen holders have computed the
+        fewest tokens (the least work to redo) is emptied next. The pad block's page is never
+        chosen. See Note [Fair share in the loop]."""
+        holders: dict[int, set[int]] = collections.defaultdict(set)     # page -> indices into running
+        for index, request in enumerate(self.running):
+            for page in set(self.cache.pages_of(request.blocks)):
+                holders[page].add(index)
+        if self.pad_block is not None:
+            for page in self.cache.pages_of([self.pad_block]):
+                holders.pop(page, None)
+        chosen: set[int] = set()
+        freed = emptied = 0
+        while (freed < excess or emptied < pages) and holders:
+            emptied += 1
+            page = min(holders, key=lambda p: sum(self.running[i].num_cached + 1 for i in holders[p] - chosen))
+            for index in holders.pop(page) - chosen:
+                chosen.add(index)
+                freed += len(self.running[index].blocks)
+        return [self.running[index] for index in sorted(chosen, reverse=True)]
 
     def _report_demand(self) -> None:
         """The blocks the waiting requests need (prompt and tokens so far), as the cache's demand."""
@@ -453,9 +474,12 @@ class ServingLoop:
         self.cache.report_demand(sum(-(-len(request.tokens) // size) for request in self.waiting))
 
     def _preempt_newest(self) -> None:
-        request = self.running[-1]
+        self._preempt(self.running[-1])
+
+    def _preempt(self, request: Request) -> None:
+        """Free a running request's blocks and put it first in the queue, to be recomputed."""
         self._release(request)                  # first: if the free raises, nothing changed
-        self.running.pop()
+        self.running.remove(request)
         self._running_rows = None
         self._give_row(request)
         request.num_cached = 0
@@ -657,6 +681,15 @@ class ServingLoop:
 # instead would move the memory only when a running request next crosses a block boundary (every
 # block_size tokens), and a share change must take effect within a poll interval or two. The
 # preempted requests wait with their demand published, so the next share computation counts them.
+#
+# What goes back to the budget is pages, not blocks: a page is unmapped once every block on it is
+# free. The requests of a decode batch grow in lockstep, so each page holds blocks of many of
+# them, and preempting the newest requests until enough blocks are free empties no page at all:
+# on the H200 (Llama-3-8B shapes, 64 blocks of 16 tokens per page id) an instance over its share
+# kept its pages mapped while preempting 719 times (benchmarks/README.md, bench_share). So the
+# victims are chosen by page: the page whose holders have computed the fewest tokens is emptied
+# first (all its holders preempted), then the next, until as many pages are empty as hold blocks
+# beyond the cap (over_limit_pages) and the freed blocks cover over_limit_blocks.
 #
 # Note [Failed steps]
 # A step is schedule -> model call -> commit. Only the commit changes what a request has done
