@@ -197,8 +197,8 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
                 f"page size {page_bytes} bytes is not a positive multiple of the {backend.kind} granularity "
                 f"({backend.granularity} bytes); set KVCACHED_PAGE_SIZE_MB to a multiple of "
                 f"{max(1, backend.granularity >> 20)}.")
-        tp = _start_tp(tp_rank, world_size, tp_group, backend, page_bytes, settings.tp_timeout_s) \
-            if world_size > 1 else None
+        tp = _start_tp(tp_rank, world_size, tp_group, backend, page_bytes, settings.tp_timeout_s,
+                       settings.tp_transport) if world_size > 1 else None
         _runtime = _Runtime(backend, wanted, page_bytes, tp_rank, world_size, tp)
         if tp is not None:
             stop_at_exit()          # rank 0 stops its peers at exit; See Note [Tensor-parallel runtime]
@@ -207,11 +207,11 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
 
 
 def _start_tp(tp_rank: int, world_size: int, tp_group, backend: Backend, page_bytes: int,
-              timeout_s: float) -> Leader | Follower:
+              timeout_s: float, transport: str) -> Leader | Follower:
     """Rank 0: a Leader that has checked every peer's page size; other ranks: a running Follower."""
     from .tp import Follower, Leader, open_channel
 
-    channel = open_channel(tp_rank, world_size, tp_group, timeout_s)
+    channel = open_channel(tp_rank, world_size, tp_group, timeout_s, transport)
     if tp_rank == 0:
         leader = Leader(channel)
         leader.hello(page_bytes)

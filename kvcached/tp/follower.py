@@ -1,7 +1,7 @@
 """The service of a tensor-parallel rank > 0: applies the scheduling rank's maps and unmaps to
 this rank's page tables and answers each request.
 
-One daemon thread receives requests (kvcached.tp.channel) and handles them one at a time. Lock
+One daemon thread receives requests (over kvcached.tp.shm or kvcached.tp.channel) and handles them one at a time. Lock
 rule: ``_cond`` guards the tables and the closed flag and is held while a request is handled, so
 a local shutdown never tears a table down under a map. See Note [Follower life cycle].
 """
@@ -17,26 +17,17 @@ from ..errors import DriverError
 from .channel import (
     ERROR,
     HELLO,
-    INLINE_IDS,
     MAP,
     OK,
     OOM,
     QUERY,
     REGISTER,
     RELEASE_CACHED,
-    REPLY_SLOTS,
-    REQUEST_SLOTS,
     STOP,
     STOPPED,
-    TAG_IDS,
-    TAG_PAYLOAD,
     UNMAP,
-    Channel,
+    LinkBase,
     Request,
-    buffer,
-    decode_request,
-    encode_reply,
-    text_tensor,
 )
 
 if TYPE_CHECKING:
@@ -52,7 +43,7 @@ class Follower:
     unmapped again before each later map of that table; a map that asks for one still stuck is
     out of memory on this rank (the scheduling rank rolls every rank back)."""
 
-    def __init__(self, channel: Channel, backend: Backend, page_bytes: int) -> None:
+    def __init__(self, channel: LinkBase, backend: Backend, page_bytes: int) -> None:
         self.channel = channel
         self.backend = backend
         self.page_bytes = page_bytes
@@ -106,39 +97,53 @@ class Follower:
                     logger.error("tensor-parallel rank %d: lost the scheduling rank (%s); its pages stay mapped "
                                  "until shutdown_kvcached() here", self.channel.rank, str(exc).splitlines()[0][:200])
         finally:
+            self.channel.release()          # before `stopped`: the process group may be destroyed after it
             self.stopped.set()
 
     def _serve_loop(self) -> None:
-        """Receive, apply and answer requests until STOP. The next request's receive is posted
-        as soon as a request is in, while the scheduling rank only waits, and none after STOP
-        (Note [Posting receives] in channel). Its gloo work objects die with this frame, before
-        ``stopped`` is set and the process group may be destroyed."""
-        import torch
-
-        requests = [buffer(REQUEST_SLOTS), buffer(REQUEST_SLOTS)]
-        reply, reply_np = buffer(REPLY_SLOTS)
-        turn = 0
-        pending = self.channel.irecv(0, requests[0][0])
+        """Receive, apply and answer requests until STOP. Over shared memory a map or unmap of a
+        table with no stuck page id takes the segment's fast path: validated and applied there
+        without the GIL, answered without a Python object per id (See Note [Round segment] in
+        core/rounds.pyx)."""
+        channel = self.channel
+        fast = getattr(channel, "apply", None)
         while True:
-            pending.wait()
-            req = decode_request(requests[turn][1])
-            if req.op != STOP:
-                turn ^= 1
-                pending = self.channel.irecv(0, requests[turn][0])
-            if req.num_ids > INLINE_IDS:
-                extra = torch.empty(req.num_ids - INLINE_IDS, dtype=torch.int64)
-                self.channel.irecv(0, extra, TAG_IDS).wait()
-                req.page_ids += extra.tolist()
+            op, table_id = channel.wait_request()
             self.num_requests += 1
+            if fast is not None and (op == MAP or op == UNMAP):
+                with self._cond:
+                    entry = None if self._closed or self._stuck.get(table_id) else self._tables.get(table_id)
+                    if entry is not None:
+                        try:
+                            done = fast(entry[0], self._streams[table_id])
+                        except Exception as exc:
+                            self._fast_failed(channel.read_request(), entry[0], exc)
+                            continue
+                        if done == -2:
+                            self._fast_refused(channel.read_request(), entry[0])
+                        if done != -1:
+                            continue
+            req = channel.read_request()
             status, count, args, payload = self._handle(req)
-            encode_reply(reply_np, req.seq, status, count, args)
-            works = [self.channel.isend(0, reply)]
-            if payload is not None:
-                works.append(self.channel.isend(0, payload, TAG_PAYLOAD))
-            for work in works:
-                work.wait()
+            channel.answer(req, status, count, args, payload)
             if req.op == STOP:
                 return
+
+    def _fast_failed(self, req: Request, table, exc: Exception) -> None:
+        """The fast path raised: what the table's undo left mapped is unmapped again later
+        (as _map and _unmap do), and the error goes back to the scheduling rank. Assumes _cond."""
+        logger.error("tensor-parallel rank %d: %s failed: %s", self.channel.rank, req.name, exc)
+        self._stuck[req.table_id].update(p for p in req.page_ids if table.is_mapped(p))
+        self.channel.answer(req, *self._error(f"{req.name} failed: {type(exc).__name__}: {exc}"))
+
+    def _fast_refused(self, req: Request, table) -> None:
+        """The fast path's unmap left some page ids mapped: they are retried before the next map.
+        Assumes _cond."""
+        stuck = self._stuck[req.table_id]
+        stuck.update(p for p in req.page_ids if table.is_mapped(p))
+        logger.warning("tensor-parallel rank %d: %d page id(s) of group %d could not be unmapped; retried "
+                       "before the next map", self.channel.rank, len(stuck), req.table_id)
+        self.channel.answer(req, OK, len(stuck.intersection(req.page_ids)), (), None)
 
     def _handle(self, req: Request):
         """(status, count, reply args, payload tensor or None) for one request."""
@@ -149,6 +154,9 @@ class Follower:
                 return OK, 0, (), None
             if self._closed:
                 return STOPPED, 0, (), None
+            if len(req.page_ids) != req.num_ids:
+                return self._error(f"received a {req.name} request of {req.num_ids} page ids that carries "
+                                   f"{len(req.page_ids)}: the control channel was corrupted; restart every rank")
             try:
                 if req.op == HELLO:
                     return self._hello(*req.args[:2])
@@ -167,18 +175,15 @@ class Follower:
                 if req.op == UNMAP:
                     return OK, self._unmap(req.table_id, table, req.page_ids), (), None
                 if req.op == QUERY:
-                    import torch
-
                     ids = table.mapped_page_ids()
-                    return OK, len(ids), (), torch.tensor(ids, dtype=torch.int64) if ids else None
+                    return OK, len(ids), (), ids
                 return self._error(f"does not know operation {req.op}")
             except Exception as exc:
                 logger.exception("tensor-parallel rank %d: %s failed", self.channel.rank, req.name)
                 return self._error(f"{req.name} failed: {type(exc).__name__}: {exc}")
 
     def _error(self, text: str):
-        payload = text_tensor(f"rank {self.channel.rank} {text}"[:4000])
-        return ERROR, payload.numel(), (), payload
+        return ERROR, 0, (), f"rank {self.channel.rank} {text}"[:4000]
 
     def _hello(self, page_bytes: int, world_size: int):
         if (page_bytes, world_size) != (self.page_bytes, self.channel.world_size):

@@ -25,17 +25,11 @@ from .channel import (
     QUERY,
     REGISTER,
     RELEASE_CACHED,
-    REPLY_SLOTS,
-    REQUEST_SLOTS,
     STOP,
     STOPPED,
-    TAG_IDS,
-    TAG_PAYLOAD,
     UNMAP,
-    Channel,
+    LinkBase,
     Reply,
-    buffer,
-    encode_request,
 )
 
 logger = logging.getLogger("kvcached")
@@ -50,7 +44,7 @@ class _Round:
     table_id: int
     page_ids: list[int]
     deadline: float
-    posted: dict = field(default_factory=dict)      # peer -> (send works, reply work)
+    peers: list = field(default_factory=list)       # the ranks it was sent to
 
 
 class Leader:
@@ -60,16 +54,13 @@ class Leader:
     the same per sending thread: tests and benchmarks read them to show that the pool's fast
     path sends nothing from the caller's thread."""
 
-    def __init__(self, channel: Channel) -> None:
+    def __init__(self, channel: LinkBase) -> None:
         self.channel = channel
         self.lock = threading.Lock()
         self.num_rounds = 0
         self.rounds_by_thread: Counter[int] = Counter()
         self.stopped = False
         self._seq = 0
-        # reused every round: a round's sends complete before the next is posted (the lock)
-        self._request, self._request_np = buffer(REQUEST_SLOTS)
-        self._replies = {peer: buffer(REPLY_SLOTS) for peer in self.peers}
 
     @property
     def peers(self) -> range:
@@ -78,8 +69,8 @@ class Leader:
     # -- rounds (assume the lock) --------------------------------------------------------------
     def _post(self, op: int, table_id: int, page_ids: list[int], args: tuple[int, ...] = (),
               peers=None) -> _Round:
-        """Post each peer's reply buffer, then send it the request (See Note [Posting receives]
-        in channel). Raises KVCachedTPError (channel broken) if a peer cannot be reached."""
+        """Send a request to every peer (or `peers`). Raises KVCachedTPError (channel broken)
+        if a peer cannot be reached."""
         name = OP_NAMES[op]
         self.channel.check(operation=name)
         if self.stopped:
@@ -90,46 +81,14 @@ class Leader:
         self.rounds_by_thread[threading.get_ident()] += 1
         # a peer answers REGISTER once its own alloc_kv_cache came or its wait for it (one
         # timeout) ended: that wait comes on top of the answer's time
-        rnd = _Round(op, self._seq, table_id, page_ids, self.channel.deadline(2 if op == REGISTER else 1))
-        extra = encode_request(self._request_np, op, self._seq, table_id, page_ids, args)
-        for peer in self.peers if peers is None else peers:
-            try:
-                reply_work = self.channel.irecv(peer, self._replies[peer][0])
-                sends = [self.channel.isend(peer, self._request)]
-                if extra is not None:
-                    sends.append(self.channel.isend(peer, extra, TAG_IDS))
-            except Exception as exc:
-                self._fail(peer, name, exc)
-            rnd.posted[peer] = (sends, reply_work)
+        rnd = _Round(op, self._seq, table_id, page_ids, self.channel.deadline(2 if op == REGISTER else 1),
+                     list(self.peers if peers is None else peers))
+        self.channel.send(op, self._seq, table_id, page_ids, args, rnd.peers)
         return rnd
 
-    def _fail(self, peer: int, name: str, exc: Exception) -> None:
-        self.channel.broken = f"tensor-parallel rank {peer} is unreachable during {name} ({str(exc).splitlines()[0][:200]})."
-        raise KVCachedTPError(f"{self.channel.broken} It died or its process group is gone: restart every rank of "
-                              f"this instance.", peer, name) from exc
-
     def _collect(self, rnd: _Round) -> dict[int, Reply]:
-        """Every posted peer's reply (and what follows it), within the round's deadline."""
-        import torch
-
-        name = OP_NAMES[rnd.op]
-        replies = {}
-        for peer, (sends, reply_work) in rnd.posted.items():
-            for work in sends:
-                self.channel.wait(work, rnd.deadline, peer, name)
-            self.channel.wait(reply_work, rnd.deadline, peer, name)
-            seq, status, count, *args = self._replies[peer][1].tolist()
-            if seq != rnd.seq:
-                self.channel.broken = f"tensor-parallel rank {peer} answered request {seq} to request {rnd.seq}."
-                raise KVCachedTPError(f"{self.channel.broken} The control channel is out of step: restart every rank.",
-                                      peer, name)
-            payload = None
-            if count and (status == ERROR or (status == OK and rnd.op == QUERY)):
-                buf = torch.empty(count, dtype=torch.uint8 if status == ERROR else torch.int64)
-                self.channel.wait(self.channel.irecv(peer, buf, TAG_PAYLOAD), rnd.deadline, peer, name)
-                payload = bytes(buf.numpy()).decode(errors="replace") if status == ERROR else buf.tolist()
-            replies[peer] = Reply(seq, status, count, tuple(args), payload)
-        return replies
+        """Every peer's reply (and what follows it), within the round's deadline."""
+        return {peer: self.channel.receive(peer, rnd.seq, rnd.op, rnd.deadline) for peer in rnd.peers}
 
     def call(self, op: int, table_id: int = 0, page_ids: list[int] | None = None,
              args: tuple[int, ...] = ()) -> dict[int, Reply]:
