@@ -39,7 +39,8 @@ cdef class RoundSegment:
     cdef RankSlot* slots                        # [world_size]; slot 0 unused
     cdef int32_t* ids                           # [capacity_ids]: the request's page ids
     cdef char* payloads                         # [world_size][capacity_ids * 4]: each rank's reply payload
-    cdef readonly bint created                  # this process made the segment (it destroys the semaphores)
+    cdef readonly bint created                  # this process made the segment
+    cdef readonly uint64_t num_served           # requests serve() applied and answered itself
 
     cdef int _wait(self, sem_t* sem, double timeout_s) except -1 nogil     # 1 posted, 0 timed out, or raises
     cdef int _check_rank(self, int rank) except -1                          # 0, or raises KVCachedTPError

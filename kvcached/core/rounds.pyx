@@ -24,6 +24,7 @@ from kvcached.core._posix cimport (
     munmap,
     sem_clockwait,
     sem_init,
+    sem_trywait,
     sem_post,
     stat,
     timespec,
@@ -155,9 +156,10 @@ cdef class RoundSegment:
     # -- waiting ----------------------------------------------------------------------------------
     cdef int _wait(self, sem_t* sem, double timeout_s) except -1 nogil:
         cdef timespec now, until
-        cdef double frac
         cdef long whole
         cdef int rc
+        if sem_trywait(sem) == 0:            # posted already: no clock read, no futex call
+            return 1
         clock_gettime(CLOCK_MONOTONIC, &now)
         whole = <long>timeout_s
         until.tv_sec = now.tv_sec + whole
@@ -293,6 +295,50 @@ cdef class RoundSegment:
             i += 1
         r[0] = seq
         check_os(sem_post(&self.slots[rank].reply_ready), b"sem_post")
+
+    def gather(self, int64_t seq, double timeout_s) -> tuple:
+        """Wait (without the GIL, each up to `timeout_s`) for every rank's reply to request `seq`:
+        (answered, ok), bit masks of the ranks (bit r for rank r) whose reply came, and of those
+        whose reply is OK with nothing to read (count 0, the right seq). The common round is one
+        call; a rank outside `ok` is read with reply() (answered) or waited for again."""
+        cdef uint64_t answered = 0, ok = 0
+        cdef int peer
+        cdef int64_t* r
+        with nogil:
+            for peer in range(1, self.world_size):
+                if self._wait(&self.slots[peer].reply_ready, timeout_s) == 1:
+                    answered |= (<uint64_t>1) << peer
+                    r = self.slots[peer].reply
+                    if r[0] == seq and r[1] == _OK and r[2] == 0:
+                        ok |= (<uint64_t>1) << peer
+        return answered, ok
+
+    def serve(self, int rank, dict tables, dict streams, double timeout_s) -> int:
+        """A serving rank's loop: wait for requests (without the GIL, `timeout_s` at most) and
+        apply each map or unmap of a table in `tables` ({table id: PageTable}) through apply()
+        (`streams`: {table id: the stream its unmap waits for}), until one needs the caller.
+        Returns 0 when none came within `timeout_s`, 1 when the request in flight is for the
+        caller to handle and answer, 2 when apply() returned -2 (the caller records the page ids
+        left mapped and answers). Raises what apply() raises (the request is then the caller's)."""
+        cdef int rc, done
+        cdef int64_t* req = self.header.request
+        self._check_rank(rank)
+        while True:
+            with nogil:
+                rc = self._wait(&self.slots[rank].request_ready, timeout_s)
+            if rc == 0:
+                return 0
+            if req[0] != _OP_MAP and req[0] != _OP_UNMAP:
+                return 1
+            table = tables.get(req[2])
+            if table is None:
+                return 1
+            done = self.apply(rank, <PageTable?>table, streams.get(req[2], 0))
+            if done == -1:
+                return 1
+            if done == -2:
+                return 2
+            self.num_served += 1
 
     def apply(self, int rank, PageTable table, uintptr_t stream=0) -> int:
         """The fast path of a serving rank: apply the request in flight (a map or an unmap) to

@@ -13,7 +13,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from .._threads import start_daemon
-from ..errors import DriverError
+from ..errors import DriverError, KVCachedTPError
 from .channel import (
     ERROR,
     HELLO,
@@ -47,13 +47,14 @@ class Follower:
         self.channel = channel
         self.backend = backend
         self.page_bytes = page_bytes
-        self.num_requests = 0
+        self.num_requests = 0                           # handled here (the segment counts the rest: num_served)
         self.error: BaseException | None = None         # why serving ended, if not by STOP
         self.stopped = threading.Event()                # the service thread has ended
         self._cond = threading.Condition()
         self._tables: dict[int, tuple[PageTable, tuple[int, ...]]] = {}
         self._streams: dict[int, int] = {}              # table id -> the stream an unmap waits for
         self._stuck: dict[int, set[int]] = {}
+        self._fast: dict[int, PageTable] = {}           # shm: the tables whose rounds the segment applies itself
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -68,6 +69,7 @@ class Follower:
             self._tables[table_id] = (table, geometry)
             self._streams[table_id] = stream
             self._stuck[table_id] = set()
+            self._refresh_fast(table_id)
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -76,6 +78,7 @@ class Follower:
         with self._cond:
             self._closed = True
             self._tables.clear()
+            self._fast.clear()
             self._cond.notify_all()
 
     def wait_stopped(self, timeout_s: float | None = None) -> bool:
@@ -101,49 +104,78 @@ class Follower:
             self.stopped.set()
 
     def _serve_loop(self) -> None:
-        """Receive, apply and answer requests until STOP. Over shared memory a map or unmap of a
-        table with no stuck page id takes the segment's fast path: validated and applied there
-        without the GIL, answered without a Python object per id (See Note [Round segment] in
-        core/rounds.pyx)."""
+        """Receive, apply and answer requests until STOP."""
+        if self.channel.kind == "shm":
+            return self._serve_rounds()
         channel = self.channel
-        fast = getattr(channel, "apply", None)
         while True:
-            op, table_id = channel.wait_request()
-            self.num_requests += 1
-            if fast is not None and (op == MAP or op == UNMAP):
-                with self._cond:
-                    entry = None if self._closed or self._stuck.get(table_id) else self._tables.get(table_id)
-                    if entry is not None:
-                        try:
-                            done = fast(entry[0], self._streams[table_id])
-                        except Exception as exc:
-                            self._fast_failed(channel.read_request(), entry[0], exc)
-                            continue
-                        if done == -2:
-                            self._fast_refused(channel.read_request(), entry[0])
-                        if done != -1:
-                            continue
-            req = channel.read_request()
-            status, count, args, payload = self._handle(req)
-            channel.answer(req, status, count, args, payload)
-            if req.op == STOP:
+            channel.wait_request()
+            if self._answer(channel.read_request()) == STOP:
                 return
 
-    def _fast_failed(self, req: Request, table, exc: Exception) -> None:
-        """The fast path raised: what the table's undo left mapped is unmapped again later
-        (as _map and _unmap do), and the error goes back to the scheduling rank. Assumes _cond."""
+    def _answer(self, req: Request) -> int:
+        """Handle `req` the general way and answer it; its op."""
+        self.num_requests += 1
+        status, count, args, payload = self._handle(req)
+        with self._cond:
+            self._refresh_fast(req.table_id)
+        self.channel.answer(req, status, count, args, payload)
+        return req.op
+
+    def _serve_rounds(self) -> None:
+        """The shared-memory loop: the segment applies and answers every map or unmap of a
+        table in ``_fast`` itself, without the GIL around the driver calls and without a Python
+        object per page id (RoundSegment.serve); the rest comes here. See Note [Round segment]
+        in core/rounds.pyx."""
+        channel = self.channel
+        while True:
+            try:
+                got = channel.serve(self._fast, self._streams)
+            except KVCachedTPError:
+                raise                           # rank 0 is gone
+            except Exception as exc:            # the table raised: the request is ours to answer
+                self._fast_failed(channel.read_request(), exc)
+                continue
+            req = channel.read_request()
+            if got == 2:
+                self._fast_refused(req)
+            elif self._answer(req) == STOP:
+                return
+
+    def _refresh_fast(self, table_id: int) -> None:
+        """Whether `table_id`'s maps and unmaps take the fast path: a live table with no page id
+        stuck after a failed unmap (those need the checks of _map). Assumes _cond."""
+        entry = self._tables.get(table_id)
+        if entry is None or self._closed or self._stuck.get(table_id):
+            self._fast.pop(table_id, None)
+        else:
+            self._fast[table_id] = entry[0]
+
+    def _fast_failed(self, req: Request, exc: Exception) -> None:
+        """The fast path raised: what the table's undo left mapped is unmapped again later (as
+        _map and _unmap do), and the error goes back to the scheduling rank."""
         logger.error("tensor-parallel rank %d: %s failed: %s", self.channel.rank, req.name, exc)
-        self._stuck[req.table_id].update(p for p in req.page_ids if table.is_mapped(p))
+        with self._cond:
+            entry = self._tables.get(req.table_id)
+            if entry is not None:
+                self._stuck[req.table_id].update(p for p in req.page_ids if entry[0].is_mapped(p))
+                self._refresh_fast(req.table_id)
+        self.num_requests += 1
         self.channel.answer(req, *self._error(f"{req.name} failed: {type(exc).__name__}: {exc}"))
 
-    def _fast_refused(self, req: Request, table) -> None:
-        """The fast path's unmap left some page ids mapped: they are retried before the next map.
-        Assumes _cond."""
-        stuck = self._stuck[req.table_id]
-        stuck.update(p for p in req.page_ids if table.is_mapped(p))
+    def _fast_refused(self, req: Request) -> None:
+        """The fast path's unmap left some page ids mapped (the driver refused): they are
+        retried before the next map of the table."""
+        with self._cond:
+            table = self._tables[req.table_id][0]
+            stuck = self._stuck[req.table_id]
+            stuck.update(p for p in req.page_ids if table.is_mapped(p))
+            self._refresh_fast(req.table_id)
+            left = len(stuck.intersection(req.page_ids))
         logger.warning("tensor-parallel rank %d: %d page id(s) of group %d could not be unmapped; retried "
-                       "before the next map", self.channel.rank, len(stuck), req.table_id)
-        self.channel.answer(req, OK, len(stuck.intersection(req.page_ids)), (), None)
+                       "before the next map", self.channel.rank, left, req.table_id)
+        self.num_requests += 1
+        self.channel.answer(req, OK, left, (), None)
 
     def _handle(self, req: Request):
         """(status, count, reply args, payload tensor or None) for one request."""

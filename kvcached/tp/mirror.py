@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from dataclasses import dataclass, field
 
 from ..errors import KVCachedConfigError, KVCachedTPError
 from .channel import (
@@ -35,16 +34,18 @@ from .channel import (
 logger = logging.getLogger("kvcached")
 
 
-@dataclass
 class _Round:
-    """One request in flight to some peers: what was sent, and where each reply lands."""
+    """One request in flight to some peers: what was sent, and to whom (a plain class with
+    slots: one is made per map, on the allocator's path)."""
 
-    op: int
-    seq: int
-    table_id: int
-    page_ids: list[int]
-    deadline: float
-    peers: list = field(default_factory=list)       # the ranks it was sent to
+    __slots__ = ("op", "seq", "table_id", "page_ids", "deadline", "peers")
+
+    def __init__(self, op: int, seq: int, table_id: int, page_ids: list[int], deadline: float, peers: list) -> None:
+        self.op, self.seq, self.table_id, self.page_ids, self.deadline, self.peers = \
+            op, seq, table_id, page_ids, deadline, peers
+
+
+_OK_REPLY = Reply(0, OK, 0, (0,) * 5)
 
 
 class Leader:
@@ -61,6 +62,11 @@ class Leader:
         self.rounds_by_thread: Counter[int] = Counter()
         self.stopped = False
         self._seq = 0
+        self._gather = getattr(channel, "gather", None)
+        self._peer_list = list(self.peers)
+        self._num_peers = len(self._peer_list)
+        self._all_peers = sum(1 << peer for peer in self.peers)
+        self._ok_replies = {peer: _OK_REPLY for peer in self.peers}
 
     @property
     def peers(self) -> range:
@@ -82,13 +88,23 @@ class Leader:
         # a peer answers REGISTER once its own alloc_kv_cache came or its wait for it (one
         # timeout) ended: that wait comes on top of the answer's time
         rnd = _Round(op, self._seq, table_id, page_ids, self.channel.deadline(2 if op == REGISTER else 1),
-                     list(self.peers if peers is None else peers))
+                     self._peer_list if peers is None else list(peers))
         self.channel.send(op, self._seq, table_id, page_ids, args, rnd.peers)
         return rnd
 
     def _collect(self, rnd: _Round) -> dict[int, Reply]:
-        """Every peer's reply (and what follows it), within the round's deadline."""
-        return {peer: self.channel.receive(peer, rnd.seq, rnd.op, rnd.deadline) for peer in rnd.peers}
+        """Every peer's reply (and what follows it), within the round's deadline. Over shared
+        memory a round sent to every peer is first gathered in one call; the replies that are
+        OK with nothing to read then share one Reply (its seq is not kept)."""
+        channel = self.channel
+        if self._gather is None or len(rnd.peers) != self._num_peers:
+            return {peer: channel.receive(peer, rnd.seq, rnd.op, rnd.deadline) for peer in rnd.peers}
+        answered, ok = self._gather(rnd.seq)
+        if ok == self._all_peers:
+            return self._ok_replies
+        return {peer: _OK_REPLY if ok >> peer & 1 else
+                channel.receive(peer, rnd.seq, rnd.op, rnd.deadline, waited=bool(answered >> peer & 1))
+                for peer in rnd.peers}
 
     def call(self, op: int, table_id: int = 0, page_ids: list[int] | None = None,
              args: tuple[int, ...] = ()) -> dict[int, Reply]:

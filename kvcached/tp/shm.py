@@ -43,11 +43,12 @@ class ShmChannel(LinkBase):
     def send(self, op: int, seq: int, table_id: int, page_ids: list[int], args: tuple[int, ...], peers) -> None:
         self.segment.post(op, seq, table_id, page_ids, args, peers)
 
-    def receive(self, peer: int, seq: int, op: int, deadline: float) -> Reply:
-        """`peer`'s reply to request `seq`, within `deadline`; between waits of LEADER_SLICE_S
-        a peer whose process is gone fails the round at once."""
+    def receive(self, peer: int, seq: int, op: int, deadline: float, waited: bool = False) -> Reply:
+        """`peer`'s reply to request `seq`, within `deadline` (`waited`: gather() took it in
+        already); between waits of LEADER_SLICE_S a peer whose process is gone fails the round
+        at once."""
         segment = self.segment
-        if not segment.wait_reply(peer, LEADER_SLICE_S):
+        if not waited and not segment.wait_reply(peer, LEADER_SLICE_S):
             self._wait_longer(peer, op, deadline)
         got, status, count, *args = segment.reply(peer)
         if got != seq:
@@ -72,17 +73,23 @@ class ShmChannel(LinkBase):
             if self.segment.wait_reply(peer, min(remaining, LEADER_SLICE_S)):
                 return
 
+    def gather(self, rnd_seq: int) -> tuple[int, int]:
+        """RoundSegment.gather over every peer, one slice: (answered mask, OK mask)."""
+        return self.segment.gather(rnd_seq, LEADER_SLICE_S)
+
     # -- ranks > 0 -------------------------------------------------------------------------------
-    def wait_request(self) -> tuple[int, int]:
-        """Wait for the next request, without bound while rank 0 lives; (op, table id). Raises
-        KVCachedTPError once rank 0's process is gone."""
+    def serve(self, tables: dict, streams: dict) -> int:
+        """RoundSegment.serve until a request needs the caller (1, or 2: an unmap left some page
+        ids mapped); without bound while rank 0 lives. Raises KVCachedTPError once rank 0's
+        process is gone, and what a table raised in the fast path (the request is the caller's)."""
         segment = self.segment
-        while not segment.wait_request(self.rank, FOLLOWER_SLICE_S):
+        while True:
+            self._current = None
+            got = segment.serve(self.rank, tables, streams, FOLLOWER_SLICE_S)
+            if got:
+                return got
             if owner_alive(*segment.identity(0)) is False:
                 self.fail(0, "wait for a request", f"is gone (process {segment.identity(0)[0]} exited)")
-        self._current = None
-        head = segment.request()
-        return head[0], head[2]
 
     def read_request(self) -> Request:
         if self._current is None:
@@ -93,10 +100,6 @@ class ShmChannel(LinkBase):
                 ids = []                # the follower answers that the request is malformed
             self._current = Request(op, seq, table_id, ids, tuple(args), num_ids)
         return self._current
-
-    def apply(self, table, stream: int) -> int:
-        """The fast path: RoundSegment.apply for this rank."""
-        return self.segment.apply(self.rank, table, stream)
 
     def answer(self, req: Request, status: int, count: int, args: tuple[int, ...], payload) -> None:
         if isinstance(payload, str):
