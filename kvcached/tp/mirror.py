@@ -248,8 +248,9 @@ class TableMirror:
 
 
 # Note [Leader rounds]
-# A map of page ids is one round: the leader posts each peer's reply buffer and sends the request
-# (map_start), the local table maps while the peers do, then map_finish collects the replies, so
+# A map of page ids is one round: the leader sends the request (map_start; over gloo each
+# peer's reply buffer is posted first), the local table maps while the peers do, then map_finish
+# collects the replies (over shared memory all of them in one gather), so
 # a TP map costs the slowest rank plus one message round trip rather than the sum of the ranks.
 # All or nothing: if any rank (this one included) was out of memory, the peers that mapped get a
 # second round, UNMAP of the same ids, before map_finish returns False, and the table undoes its
