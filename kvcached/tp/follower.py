@@ -1,9 +1,13 @@
 """The service of a tensor-parallel rank > 0: applies the scheduling rank's maps and unmaps to
 this rank's page tables and answers each request.
 
-One daemon thread receives requests (over kvcached.tp.shm or kvcached.tp.channel) and handles them one at a time. Lock
-rule: ``_cond`` guards the tables and the closed flag and is held while a request is handled, so
-a local shutdown never tears a table down under a map. See Note [Follower life cycle].
+One daemon thread receives requests (over kvcached.tp.shm or kvcached.tp.channel) and handles
+them one at a time. Lock rule: ``_cond`` guards the tables, ``_fast`` and the closed flag and is
+held while a request is handled here, so a local shutdown never tears a table down under a map.
+The segment's fast path (shm) applies a map or unmap without it, on a table it found in
+``_fast``: a shutdown that closes that table meanwhile is serialised with the map by the table's
+own lock, and a map that comes second fails as closed and is answered as an error, as a request
+after close() is refused. See Note [Follower life cycle].
 """
 
 from __future__ import annotations
