@@ -242,6 +242,23 @@ def test_tp2_rank_without_its_kv_tensors_is_named(ranks):
     assert "did not call alloc_kv_cache" in error, error
 
 
+def test_tp_leader_without_pages(ranks):
+    """Rank 0 with device="none" leads two ranks that hold the memory; rank 2 runs out first."""
+    counts = ranks(3).run("ledger", {"ledger": True, "small_rank": 2, "small_pages": 6, "steps": 80},
+                          LAYOUT="auto", MIN_RESERVED_PAGES=1, MAX_RESERVED_PAGES=3)
+    assert counts["alloc"] > 0 and counts["none"] > 0, counts        # both outcomes were exercised
+
+
+def test_leader_without_pages_is_rank_0_of_a_world():
+    from kvcached import init_kvcached, shutdown_kvcached
+    from kvcached.errors import KVCachedConfigError
+
+    shutdown_kvcached()
+    for kwargs in ({}, {"tp_rank": 1, "world_size": 2}):
+        with pytest.raises(KVCachedConfigError, match="device='none' .* is for rank 0"):
+            init_kvcached(device="none", **kwargs)
+
+
 def test_tp2_instances_in_turn_over_one_tp_group(ranks):
     """init_kvcached(tp_group=g) twice over one gloo group: the first instance leaves no receive
     posted that would take the second's messages (Note [Posting receives])."""

@@ -34,6 +34,8 @@ from .channel import (
     Request,
 )
 
+BACKEND_CODES = ("", "cuda", "host")      # a backend kind in a hello reply
+
 if TYPE_CHECKING:
     from ..core import Backend, PageTable
 
@@ -226,7 +228,9 @@ class Follower:
             return self._error(f"has pages of {self.page_bytes} bytes in a world of {self.channel.world_size}, the "
                                f"scheduling rank {page_bytes} bytes in {world_size}: pass the same page_size_bytes "
                                f"(KVCACHED_PAGE_SIZE_MB) and world_size to init_kvcached on every rank")
-        return OK, 0, (), None
+        # this rank's backend, for a leader without pages (init_kvcached(device="none"))
+        kind = BACKEND_CODES.index(self.backend.kind) if self.backend.kind in BACKEND_CODES else 0
+        return OK, 0, (kind, self.backend.granularity, int(self.backend.integrated_memory)), None
 
     def _register(self, table_id: int, geometry: tuple[int, ...]):
         """Wait (KVCACHED_TP_TIMEOUT_S, the lock released meanwhile) for this rank's

@@ -103,10 +103,9 @@ class Leader:
         if self._gather is None or len(rnd.peers) != self._num_peers:
             return {peer: channel.receive(peer, rnd.seq, rnd.op, rnd.deadline) for peer in rnd.peers}
         answered, ok = self._gather(rnd.seq) if gathered is None else gathered
-        if ok == self._all_peers:
-            return self._ok_replies
-        return {peer: _OK_REPLY if ok >> peer & 1 else
-                channel.receive(peer, rnd.seq, rnd.op, rnd.deadline, waited=bool(answered >> peer & 1))
+        if ok == self._all_peers and (rnd.op == MAP or rnd.op == UNMAP):
+            return self._ok_replies         # nothing in a map's or unmap's OK reply is read
+        return {peer: channel.receive(peer, rnd.seq, rnd.op, rnd.deadline, waited=bool(answered >> peer & 1))
                 for peer in rnd.peers}
 
     def call(self, op: int, table_id: int = 0, page_ids: list[int] | None = None,
@@ -129,12 +128,25 @@ class Leader:
         return "; ".join(lines)
 
     # -- instance-wide requests ----------------------------------------------------------------
-    def hello(self, page_bytes: int) -> None:
-        """Check that every peer serves this instance with the same page size. Raises
-        KVCachedConfigError naming the peer that differs."""
-        refusal = self._refusal(self.call(HELLO, 0, [], (page_bytes, self.channel.world_size)), "start")
+    def hello(self, page_bytes: int) -> tuple[str, int, bool]:
+        """Check that every peer serves this instance with the same page size; the peers'
+        backend as (kind, granularity in bytes, integrated memory), which a leader without pages
+        takes for its own. Raises KVCachedConfigError naming the peer that differs."""
+        from .follower import BACKEND_CODES
+
+        replies = self.call(HELLO, 0, [], (page_bytes, self.channel.world_size))
+        refusal = self._refusal(replies, "start")
         if refusal:
             raise KVCachedConfigError(f"tensor-parallel ranks disagree: {refusal}")
+        backends = {peer: (BACKEND_CODES[r.args[0]] if 0 <= r.args[0] < len(BACKEND_CODES) else "",
+                           r.args[1], bool(r.args[2])) for peer, r in replies.items()}
+        first = backends[1]
+        for peer, backend in backends.items():
+            if backend != first:
+                raise KVCachedConfigError(
+                    f"tensor-parallel ranks disagree: rank {peer} has a {backend[0]} backend of {backend[1]}-byte "
+                    f"granules, rank 1 a {first[0]} backend of {first[1]}: give every rank a device of one kind")
+        return first
 
     def register(self, table_id: int, geometry: tuple[int, ...]) -> None:
         """Wait until every peer has the page table of `table_id` with the same geometry (a peer
