@@ -61,6 +61,7 @@ class Leader:
         self.num_rounds = 0
         self.rounds_by_thread: Counter[int] = Counter()
         self.stopped = False
+        self.peer_backend: tuple[str, int, bool] | None = None     # hello's answer: (kind, granularity, integrated)
         self._seq = 0
         self._gather = getattr(channel, "gather", None)
         self._peer_list = list(self.peers)
