@@ -79,7 +79,7 @@ def find_cuda_include() -> str:
 # The compiled core: one extension module per layer, each cimporting only the ones before it, each
 # with a .pxd contract and a .pyi stub (shipped as package data). The generated C++ goes to build/.
 # _probes: test hooks for the C structs of pagesets and freebuckets, apart from the production modules.
-CORE_MODULES = ("vmm", "hostmem", "pagetable", "pagesets", "refill", "pagealloc", "freebuckets", "blockargs",
+CORE_MODULES = ("vmm", "hostmem", "ledger", "pagetable", "rounds", "pagesets", "refill", "pagealloc", "freebuckets", "blockargs",
                 "blockalloc", "_probes")
 
 

@@ -1,26 +1,28 @@
-"""Tensor-parallel benchmark: what mirroring page maps to the other ranks costs the scheduling rank.
+"""Tensor-parallel benchmark: what mirroring page maps to the other ranks costs the scheduling rank,
+over each transport (shared memory between the ranks of a host, gloo messages).
 
-    python benchmarks/bench_tp.py [--device cpu|cuda] [--tp 1 2 [4]] [--layouts per_layer interleaved]
-                                  [--json PATH] [--quick]
+    python benchmarks/bench_tp.py [--device cpu|cuda] [--tp 1 2 [4]] [--transports shm gloo]
+                                  [--layouts per_layer interleaved] [--json PATH] [--quick]
 
-For each TP size one process per rank (gloo over localhost for kvcached's control messages;
-on cuda rank r uses cuda:r) builds the bench_manager model with the KV heads split over the
-ranks (32 layers, 8 KV heads x 128 dim in total, bf16, block_size 16, 2 MiB pages, 64 page ids),
-once per layout. Rank 0 measures, the others serve. Rows (one column per TP size and layout):
+For each TP size and transport one process per rank (on cuda rank r uses cuda:r) builds the
+bench_manager model with the KV heads split over the ranks (32 layers, 8 KV heads x 128 dim in
+total, bf16, block_size 16, 2 MiB pages, 64 page ids), once per layout; TP=1 runs once (no
+transport). Rank 0 measures, the others serve. Rows (one column per TP size, transport and layout):
 
   map one page id            PageTable.map([p]) of the group's table, then unmap (median µs);
   unmap one page id          at TP > 1 each includes the round trip to every peer, which maps
                              in parallel (the request goes out before the local map)
   round trip, empty request  TP > 1: one request to every peer that does nothing there (the
-                             start-up check of the page size), median µs: the messaging alone
+  (p50, p99)                 start-up check of the page size), µs: the messaging alone
   alloc(bpp)+free, pool off  KVCACHED_MIN/MAX_RESERVED_PAGES=0: every cycle maps and unmaps one
                              page id through the manager (median µs)
   alloc(16)+free, pool on    default pool, warm: no mapping, so no message (µs per cycle, best
                              of 3 runs of ~0.2 s)
   messages per pool cycle    rounds rank 0's calling thread sent per alloc(16)+free (should be 0)
 
-Goals on the GPU (2xH200): map at TP=2 <= 1.5x TP=1; alloc(16)+free, pool on, at TP=2 <= 2 µs.
-On --device cpu the host backend stands in for the GPU. A benchmark, never a test.
+Goals (host backend): round trip p50 <= 10 µs and p99 <= 50 µs; map at TP=2 <= 3x TP=1;
+alloc(16)+free, pool on, at TP=2 <= 2 µs with no message. On the GPU (2xH200): map at TP=2 <=
+1.5x TP=1. On --device cpu the host backend stands in for the GPU. A benchmark, never a test.
 """
 
 from __future__ import annotations
@@ -46,10 +48,11 @@ NUM_LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 PAGE_BYTES = 2 << 20
 NUM_PAGES = 64
 HOST_CAPACITY = 1 << 45                 # host backend: slots only, never touched
-ROWS = ("map_us", "unmap_us", "round_trip_us", "alloc_free_pool_off_us", "alloc16_free_pool_on_us",
-        "messages_per_pool_cycle")
+ROWS = ("map_us", "unmap_us", "round_trip_us", "round_trip_p99_us", "alloc_free_pool_off_us",
+        "alloc16_free_pool_on_us", "messages_per_pool_cycle")
 LABELS = {"map_us": "map one page id (µs)", "unmap_us": "unmap one page id (µs)",
           "round_trip_us": "round trip, empty request (µs)",
+          "round_trip_p99_us": "round trip, empty request, p99 (µs)",
           "alloc_free_pool_off_us": "alloc(bpp)+free, pool off (µs)",
           "alloc16_free_pool_on_us": "alloc(16)+free, pool on (µs)",
           "messages_per_pool_cycle": "messages per pool cycle"}
@@ -75,13 +78,22 @@ def _instance(rank: int, world: int, device: str, layout: str, pool: tuple[int, 
     return kv, num_blocks, heads * HEAD_DIM * 2, blocks_per_page
 
 
-def _median_us(fn, repeats: int) -> float:
+def _times(fn, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    return times
+
+
+def _median_us(fn, repeats: int) -> float:
+    return statistics.median(_times(fn, repeats)) * 1e6
+
+
+def _p99_us(times: list[float]) -> float:
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e6
 
 
 def _measure_layout(rank: int, world: int, device: str, layout: str, repeats: int) -> dict:
@@ -111,7 +123,10 @@ def _measure_layout(rank: int, world: int, device: str, layout: str, repeats: in
         out["unmap_us"] = statistics.median(unmaps) * 1e6
         leader = kv_runtime.runtime().tp
         if leader is not None:
-            out["round_trip_us"] = _median_us(lambda: leader.hello(PAGE_BYTES), repeats)
+            trips = _times(lambda: leader.hello(PAGE_BYTES), max(repeats, 1000))
+            out["round_trip_us"] = statistics.median(trips) * 1e6
+            out["round_trip_p99_us"] = _p99_us(trips)
+            out["transport"] = leader.channel.kind
         m = KVCacheManager(num_blocks, BLOCK_SIZE, cell, NUM_LAYERS, world_size=world)
         out["alloc_free_pool_off_us"] = _median_us(cycle(m, bpp), repeats)
         m.close()
@@ -157,10 +172,11 @@ def run_rank(args) -> None:
 
 # -- the driver -------------------------------------------------------------------------------------
 
-def run_tp(tp: int, args) -> dict:
+def run_tp(tp: int, transport: str, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1",
+               "KVCACHED_TP_TRANSPORT": transport}
         procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r), "--world", str(tp), "--store",
                                    os.path.join(tmp, "store"), "--out", out, "--device", args.device,
                                    "--repeats", str(args.repeats), "--layouts", *args.layouts], env=env)
@@ -174,15 +190,16 @@ def run_tp(tp: int, args) -> dict:
 
 
 def print_table(results: dict, layouts: list[str]) -> None:
-    columns = [(tp, layout) for tp in results for layout in layouts]
-    head = f"{'':34}" + "".join(f"{f'TP={tp} {layout}':>22}" for tp, layout in columns)
+    """`results`: {run name ("1", "2 shm", "2 gloo"): {layout: figures}}."""
+    columns = [(run, layout) for run in results for layout in layouts]
+    head = f"{'':38}" + "".join(f"{f'TP={run} {layout}':>24}" for run, layout in columns)
     print(head)
     for row in ROWS:
         cells = []
-        for tp, layout in columns:
-            value = results[tp][layout].get(row)
-            cells.append(f"{value:>22.2f}" if value is not None else f"{'-':>22}")
-        print(f"{LABELS[row]:34}" + "".join(cells))
+        for run, layout in columns:
+            value = results[run][layout].get(row)
+            cells.append(f"{value:>24.2f}" if value is not None else f"{'-':>24}")
+        print(f"{LABELS[row]:38}" + "".join(cells))
 
 
 def main() -> None:
@@ -190,6 +207,8 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--layouts", nargs="+", default=["per_layer", "interleaved"])
+    parser.add_argument("--transports", nargs="+", choices=("shm", "gloo"), default=["shm", "gloo"],
+                        help="the transports of the TP > 1 runs, side by side")
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
     parser.add_argument("--repeats", type=int, default=None)
@@ -203,13 +222,16 @@ def main() -> None:
     if args.rank is not None:
         run_rank(args)
         return
-    results = {tp: run_tp(tp, args) for tp in args.tp}
+    results = {}
+    for tp in args.tp:
+        for transport in (["auto"] if tp == 1 else args.transports):
+            results[str(tp) if tp == 1 else f"{tp} {transport}"] = run_tp(tp, transport, args)
     print_table(results, args.layouts)
     if args.json:
         Path(args.json).write_text(json.dumps({
             "benchmark": "bench_tp", "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "device": args.device, "machine": platform.node(), "python": platform.python_version(),
-            "repeats": args.repeats, "results": {str(tp): r for tp, r in results.items()}}, indent=1))
+            "repeats": args.repeats, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -147,6 +147,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("KVCACHED_TP_TIMEOUT_S", _float_in(0.1, 86400.0), 60.0,
             "Seconds the scheduling rank waits for a tensor-parallel peer to answer a page operation "
             "before the call raises KVCachedTPError (the peer died or hangs)."),
+    Setting("KVCACHED_TP_TRANSPORT", _choice(("auto", "shm", "gloo")), "auto",
+            "How the scheduling rank of a tensor-parallel instance reaches the other ranks: shm (rounds in "
+            "a shared-memory segment, the ranks of one host), gloo (messages over torch.distributed, any "
+            "host), or auto (shm when every rank could map the segment, else gloo). Set the same on every rank."),
     Setting("KVCACHED_VLLM", _bool, False,
             "Let vLLM's plugin loader enable kvcached (kvcached.integration.vllm.register); off, "
             "installing kvcached changes nothing in vLLM."),
@@ -215,6 +219,7 @@ class Settings:
     log_level: str
     debug_checks: bool
     tp_timeout_s: float
+    tp_transport: str
     vllm: bool
 
 

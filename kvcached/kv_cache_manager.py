@@ -315,7 +315,8 @@ class KVCacheManager:
         return name
 
     def _set_stream(self) -> None:
-        if self._group.page_table.backend.kind != "cuda":
+        backend = self._group.page_table.backend
+        if backend.kind != "cuda" or not getattr(backend, "holds_memory", True):    # a leader without pages
             return
         import torch
 

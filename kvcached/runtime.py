@@ -93,6 +93,8 @@ def resolve_device(device: object) -> str:
     not exist or is not understood, naming the ones that would work."""
     from .core import cuda_device_count, cuda_unavailable_reason
 
+    if isinstance(device, str) and device.strip().lower() == "none":
+        return "none"               # a tensor-parallel leader without pages: Note [Leader without pages]
     if device is None:
         if cuda_unavailable_reason() is not None:
             return "cpu"
@@ -152,7 +154,10 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
     torch.distributed.init_process_group, with its tp_rank; kvcached makes a gloo group of all
     ranks for its control messages (a collective call), or uses `tp_group` (a gloo group whose
     group ranks are the TP ranks). Rank 0 schedules: only it makes a KVCacheManager; the others
-    map what it allocates. See Note [Tensor-parallel runtime].
+    map what it allocates. device="none" on rank 0 makes a leader without pages (a scheduler
+    process that owns no device): ranks 1..world_size-1 hold the memory, its alloc_kv_cache
+    returns no tensors and its managers count world_size - 1 ranks. See Note [Tensor-parallel
+    runtime] and Note [Leader without pages] in core/ledger.pyx.
 
     Raises KVCachedConfigError for a bad setting or argument, or a torch.distributed state that
     does not match; DriverUnavailableError if CUDA was asked for and cannot be used;
@@ -191,14 +196,25 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
                     f"kvcached is already initialised as rank {_runtime.tp_rank} of {_runtime.world_size}; call "
                     f"shutdown_kvcached() before init_kvcached(tp_rank={tp_rank}, world_size={world_size}).")
             return
-        backend = _make_backend(wanted, page_bytes, host_capacity_bytes)
+        if wanted == "none" and (world_size < 2 or tp_rank != 0):
+            raise KVCachedConfigError(
+                f"device='none' (a leader without pages) is for rank 0 of a tensor-parallel instance whose ranks "
+                f"1..world_size-1 hold the memory; got tp_rank={tp_rank}, world_size={world_size}: pass a device "
+                f"that holds pages, or tp_rank=0 and world_size = the workers + 1")
+        backend = None if wanted == "none" else _make_backend(wanted, page_bytes, host_capacity_bytes)
+        tp = None
+        if backend is None:
+            tp = _start_tp(tp_rank, world_size, tp_group, None, page_bytes, settings.tp_timeout_s,
+                           settings.tp_transport)
+            backend = _ledger_backend(tp, page_bytes)
         if page_bytes <= 0 or page_bytes % backend.granularity:
             raise KVCachedConfigError(
                 f"page size {page_bytes} bytes is not a positive multiple of the {backend.kind} granularity "
                 f"({backend.granularity} bytes); set KVCACHED_PAGE_SIZE_MB to a multiple of "
                 f"{max(1, backend.granularity >> 20)}.")
-        tp = _start_tp(tp_rank, world_size, tp_group, backend, page_bytes, settings.tp_timeout_s) \
-            if world_size > 1 else None
+        if tp is None and world_size > 1:
+            tp = _start_tp(tp_rank, world_size, tp_group, backend, page_bytes, settings.tp_timeout_s,
+                           settings.tp_transport)
         _runtime = _Runtime(backend, wanted, page_bytes, tp_rank, world_size, tp)
         if tp is not None:
             stop_at_exit()          # rank 0 stops its peers at exit; See Note [Tensor-parallel runtime]
@@ -206,19 +222,32 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
                     backend.kind, page_bytes, tp_rank, world_size)
 
 
-def _start_tp(tp_rank: int, world_size: int, tp_group, backend: Backend, page_bytes: int,
-              timeout_s: float) -> Leader | Follower:
-    """Rank 0: a Leader that has checked every peer's page size; other ranks: a running Follower."""
+def _start_tp(tp_rank: int, world_size: int, tp_group, backend: Backend | None, page_bytes: int,
+              timeout_s: float, transport: str) -> Leader | Follower:
+    """Rank 0: a Leader that has checked every peer's page size (and kept their backend's
+    description in `peer_backend`); other ranks: a running Follower."""
     from .tp import Follower, Leader, open_channel
 
-    channel = open_channel(tp_rank, world_size, tp_group, timeout_s)
+    channel = open_channel(tp_rank, world_size, tp_group, timeout_s, transport)
     if tp_rank == 0:
         leader = Leader(channel)
-        leader.hello(page_bytes)
+        leader.peer_backend = leader.hello(page_bytes)
         return leader
     follower = Follower(channel, backend, page_bytes)
     follower.start()
     return follower
+
+
+def _ledger_backend(leader: Leader, page_bytes: int):
+    """The backend of a leader without pages: the peers' kind and granularity, no memory."""
+    from .core.ledger import LedgerBackend
+
+    kind, granularity, integrated = leader.peer_backend
+    if kind not in ("cuda", "host") or granularity <= 0:
+        leader.stop()
+        raise KVCachedConfigError(f"the tensor-parallel ranks reported a {kind or 'unknown'} backend of {granularity}-byte "
+                                  f"granules; a leader without pages needs ranks on cuda or host backends")
+    return LedgerBackend(granularity, kind, integrated)
 
 
 def runtime() -> _Runtime:
@@ -386,6 +415,9 @@ def alloc_kv_cache(kvcache_shape, block_size: int, dtype, device, num_layers: in
                     f"group {group_id} was made by a manager with the {group.layout.name} layout, but "
                     f"attention_type={attention_type!r} needs interleaved: call alloc_kv_cache before making "
                     f"the manager")
+        if rt.device == "none":             # no memory here to view: Note [Leader without pages]
+            group.tensors = []
+            return group.tensors
         try:
             views = group.layout.views([r.tensor() for r in group.ranges], kind, dtype, block_shape, kv_layout)
         except BaseException:
@@ -570,7 +602,8 @@ class _Registry:
 
     @property
     def world_size(self) -> int:
-        return runtime().world_size
+        rt = runtime()       # the ranks that hold pages: a leader without pages holds none
+        return rt.world_size - 1 if rt.device == "none" else rt.world_size
 
     @property
     def tp_rank(self) -> int:

@@ -272,6 +272,73 @@ def killed(cfg: dict, workdir: str) -> dict:
     return {"elapsed_s": elapsed, "later_s": later, "first": first}
 
 
+def killed_at(cfg: dict, workdir: str) -> dict:
+    """The test kills rank 1 once ``ready`` exists; then rank 0 takes one step that needs it
+    (cfg "step": map, unmap, query or stop): it raises KVCachedTPError naming rank 1 (an unmap
+    may keep it off the caller's path, in the allocator's last_error), and shutdown ends."""
+    step, error = cfg["step"], None
+    m = manager()
+    held = alloc_pages(m, 1)
+    assert held is not None
+    if step == "stop":                                # nothing mapped: the shutdown's one round is STOP
+        m.free(held)
+        m.trim()
+    touch(os.path.join(workdir, "ready"))
+    wait_for_file(os.path.join(workdir, "go"))
+    t0 = time.monotonic()
+    try:
+        if step == "map":
+            alloc_pages(m, 1)
+        elif step == "unmap":
+            m.free(held)
+            m.trim()
+            error = m._pages.last_error
+        elif step == "query":
+            mapped_everywhere()
+        else:
+            shutdown_kvcached()
+    except KVCachedTPError as exc:
+        error = exc
+    elapsed = time.monotonic() - t0
+    assert isinstance(error, KVCachedTPError) and error.rank == 1, repr(error)
+    assert "rank 1" in str(error), str(error)
+    try:
+        shutdown_kvcached()
+    except KVCachedTPError:
+        pass
+    return {"elapsed_s": elapsed, "error": str(error)}
+
+
+def ledger(cfg: dict, workdir: str) -> dict:
+    """Rank 0 holds no pages (init_kvcached(device="none"), a scheduler process without a device):
+    its tables keep the books and the other ranks hold the memory. Seeded random allocs and frees
+    with the pool on and a rank that runs out of memory first; after every step every rank maps
+    exactly the page ids rank 0's books say, and the manager counts the ranks with pages."""
+    world = dist.get_world_size()
+    rt = kv_runtime.runtime()
+    assert rt.backend.holds_memory is False and rt.groups[0].tensors == [], rt.groups[0].tensors
+    m = manager(world_size=world - 1)
+    assert m.world_size == world - 1 and m.page_bytes == PAGE_ID_BYTES * (world - 1), (m.world_size, m.page_bytes)
+    rng = random.Random(cfg.get("seed", 0))
+    held, counts = [], {"alloc": 0, "none": 0}
+    for _ in range(cfg.get("steps", 60)):
+        if held and rng.random() < 0.45:
+            m.free(held.pop(rng.randrange(len(held))))
+        else:
+            ids = alloc_pages(m, rng.randint(1, 3))
+            counts["none" if ids is None else "alloc"] += 1
+            if ids is not None:
+                held.append(ids)
+        m.check_invariants()
+        assert_same_everywhere()
+    for ids in held:
+        m.free(ids)
+    m.trim()
+    assert assert_same_everywhere() == []
+    m.close()
+    return counts
+
+
 def unmap_fault(cfg: dict, workdir: str) -> dict:
     """Rank 1's first two unmaps fail: the page it could not unmap is out of memory there (alloc
     returns None, every rank as before) until its retry succeeds."""
@@ -398,8 +465,8 @@ def fenced_follower(workdir: str, device: str) -> None:
     assert bool((out == 7.0).all()), "rank 1 read its page after it was unmapped"
 
 
-SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, unmap_fault, instance, batched, leader_killed, short,
-                                     fenced)}
+SCENARIOS = {f.__name__: f for f in (basic, oom, model, killed, killed_at, ledger, unmap_fault, instance, batched,
+                                     leader_killed, short, fenced)}
 
 
 # -- every rank --------------------------------------------------------------------------------
@@ -443,9 +510,14 @@ def run_instance(scenario: str, rank: int, world: int, workdir: str, cfg: dict, 
     result."""
     cuda = cfg.get("device") == "cuda"
     device = ("cuda:0" if cfg.get("one_gpu") else f"cuda:{rank}") if cuda else "cpu"
+    if cfg.get("ledger") and rank == 0:
+        device = "none"                         # a leader without pages: Note [Leader without pages]
     small = cfg.get("small_rank") == rank       # host backend: room for small_pages page ids
     init_kvcached(tp_rank=rank, world_size=world, device=device, page_size_bytes=PAGE_BYTES, tp_group=tp_group,
                   host_capacity_bytes=None if cuda else (cfg["small_pages"] if small else 4 * NUM_PAGES) * PAGE_ID_BYTES)
+    wanted = os.environ.get("KVCACHED_TP_TRANSPORT", "auto")
+    if wanted != "auto":                          # the instance runs over the transport asked for
+        assert kv_runtime.runtime().tp.channel.kind == wanted, (kv_runtime.runtime().tp.channel.kind, wanted)
     num_blocks = NUM_BLOCKS + (BLOCKS_PER_PAGE if scenario == "mismatch" and rank == 1 else 0)
     shape = (2, num_blocks, BLOCK, HEADS, DIM)
     backend = kv_runtime.runtime().backend

@@ -58,6 +58,8 @@ CASES = {
     "KVCACHED_DEBUG_CHECKS": ([("1", True), ("off", False)], ["2", "debug"]),
     "KVCACHED_TP_TIMEOUT_S": ([("60", 60.0), ("0.1", 0.1), (" 5 ", 5.0), ("86400", 86400.0), ("1e1", 10.0)],
                               ["0", "0.05", "-1", "86401", "nan", "inf", "10s", ""]),
+    "KVCACHED_TP_TRANSPORT": ([("auto", "auto"), (" SHM ", "shm"), ("gloo", "gloo")],
+                              ["", "nccl", "tcp", "sh m"]),
 }
 
 FIELDS = dict(zip((s.name for s in config.SETTINGS), config.Settings.__dataclass_fields__))

@@ -1,8 +1,8 @@
 """The package's import graph follows its layers: no cycle, no import pointing up.
 
 The layer order: cli -> runtime -> kv_cache_manager -> layout, tp -> core (the facade) ->
-core.blockalloc -> core.freebuckets, core.blockargs -> core.pagealloc -> core.refill -> core.pagesets ->
-core.pagetable -> core.hostmem -> core.vmm (the compiled core, its .pyx and .pxd read for import and cimport lines),
+core.blockalloc -> core.freebuckets, core.blockargs -> core.pagealloc -> core.refill -> core.pagesets, core.rounds ->
+core.pagetable, core.ledger -> core.hostmem -> core.vmm (the compiled core, its .pyx and .pxd read for import and cimport lines),
 with the shared-memory and utility modules below; ops, serving, integration and demo use only the
 public API. Parses the sources (every import statement, those inside functions included), so it
 imports nothing.
@@ -24,8 +24,8 @@ LAYERS = (
     {"errors", "sizes", "checks", "config", "limits", "_steps", "_threads", "core._posix"},
     {"core.vmm"},
     {"core.hostmem"},
-    {"core.pagetable"},
-    {"core.pagesets"},                              # the page ledger: the free set, the pool, the pending ring
+    {"core.pagetable", "core.ledger"},               # ledger: the backend of a TP leader without pages
+    {"core.pagesets", "core.rounds"},               # the page ledger; rounds: the TP round segment over page tables
     {"core.refill"},                                # the pool's refill policy, below the allocator it drives
     {"core.pagealloc"},
     {"core.freebuckets", "core.blockargs"},         # the block allocator's parts

@@ -4,8 +4,9 @@ the host backend with small pages (tests/_tp_procs.py runs the ranks).
 Rank 0 allocates and the other ranks map the same page ids: after every step each rank maps
 exactly rank 0's page ids, out of memory on any rank rolls every rank back, a follower's failed
 unmap is retried, and a rank that is killed or stopped makes rank 0's next call raise
-KVCachedTPError within KVCACHED_TP_TIMEOUT_S, never hang. GPU variants (marker gpu) run the same
-scenarios with CudaBackend(device=rank) on two devices.
+KVCachedTPError within KVCACHED_TP_TIMEOUT_S, never hang. Every scenario runs over both transports
+(the shared-memory segment and gloo). GPU variants (marker gpu) run the same scenarios with
+CudaBackend(device=rank) on two devices.
 
 The ranks of a world start once per module and run its scenarios in turn, each a kvcached
 instance of its own (See Note [One world, many instances] in tests/_tp_procs.py); a scenario
@@ -37,6 +38,7 @@ class Ranks:
 
     def __init__(self, workdir, world: int) -> None:
         self.workdir, self.world, self.jobs, self.broken = str(workdir), world, 0, False
+        self.env: dict[str, str] = {}           # KVCACHED_* (without the prefix) of every job
         self.deadline = time.monotonic() + RUN_S
         environ = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
         environ.update({"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"})
@@ -64,7 +66,7 @@ class Ranks:
         workdir = os.path.join(self.workdir, f"{self.jobs}-{scenario}")
         os.mkdir(workdir)
         environ = {"KVCACHED_TRACKER": "0", "KVCACHED_TP_TIMEOUT_S": "60"}
-        environ.update({f"KVCACHED_{k}": str(v) for k, v in env.items()})
+        environ.update({f"KVCACHED_{k}": str(v) for k, v in {**self.env, **env}.items()})
         job = json.dumps({"scenario": scenario, "cfg": cfg or {}, "env": environ, "workdir": workdir}) + "\n"
         for rank in range(self.world):
             self.output[rank].clear()
@@ -127,8 +129,26 @@ class Ranks:
             proc.wait()
 
 
+@pytest.fixture(params=["shm", "gloo"])
+def transport(request):
+    """Both transports of rank 0's rounds: the shared-memory segment and gloo messages."""
+    return request.param
+
+
+@pytest.fixture
+def ranks(worlds, transport):
+    """worlds(world) whose jobs run over `transport`."""
+
+    def get(world: int) -> Ranks:
+        ranks = worlds(world)
+        ranks.env = {"TP_TRANSPORT": transport}
+        return ranks
+
+    return get
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def worlds(tmp_path_factory):
     """ranks(world): the module's rank processes of that world size, started on first use and
     again after a job broke them (a rank that ended between jobs fails the next test)."""
     worlds: dict[int, Ranks] = {}
@@ -222,6 +242,23 @@ def test_tp2_rank_without_its_kv_tensors_is_named(ranks):
     assert "did not call alloc_kv_cache" in error, error
 
 
+def test_tp_leader_without_pages(ranks):
+    """Rank 0 with device="none" leads two ranks that hold the memory; rank 2 runs out first."""
+    counts = ranks(3).run("ledger", {"ledger": True, "small_rank": 2, "small_pages": 6, "steps": 80},
+                          LAYOUT="auto", MIN_RESERVED_PAGES=1, MAX_RESERVED_PAGES=3)
+    assert counts["alloc"] > 0 and counts["none"] > 0, counts        # both outcomes were exercised
+
+
+def test_leader_without_pages_is_rank_0_of_a_world():
+    from kvcached import init_kvcached, shutdown_kvcached
+    from kvcached.errors import KVCachedConfigError
+
+    shutdown_kvcached()
+    for kwargs in ({}, {"tp_rank": 1, "world_size": 2}):
+        with pytest.raises(KVCachedConfigError, match="device='none' .* is for rank 0"):
+            init_kvcached(device="none", **kwargs)
+
+
 def test_tp2_instances_in_turn_over_one_tp_group(ranks):
     """init_kvcached(tp_group=g) twice over one gloo group: the first instance leaves no receive
     posted that would take the second's messages (Note [Posting receives])."""
@@ -231,13 +268,13 @@ def test_tp2_instances_in_turn_over_one_tp_group(ranks):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
-def test_tp2_dead_rank_raises_within_the_timeout(tmp_path, how):
+def test_tp2_dead_rank_raises_within_the_timeout(tmp_path, how, transport):
     """A follower SIGKILLed (its sockets close) or SIGSTOPped (it never answers): rank 0's next
     map raises KVCachedTPError naming rank 1, by the timeout, and nothing hangs."""
     timeout_s = 5
     with Ranks(tmp_path, 2) as ranks:
         workdir = ranks.start("killed", LAYOUT="interleaved", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0,
-                              TP_TIMEOUT_S=timeout_s)
+                              TP_TIMEOUT_S=timeout_s, TP_TRANSPORT=transport)
         wait_for_file(os.path.join(workdir, "ready"), RUN_S)
         os.kill(ranks.procs[1].pid, how)
         if how == signal.SIGKILL:
@@ -252,13 +289,30 @@ def test_tp2_dead_rank_raises_within_the_timeout(tmp_path, how):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("step", ["map", "unmap", "query", "stop"])
+def test_tp2_rank_killed_before_each_step(tmp_path, step, transport):
+    """Rank 1 SIGKILLed, then rank 0 maps, unmaps, queries or shuts down: each fails naming rank
+    1 (its process gone: at once over shared memory, the closed socket over gloo), never by
+    the timeout, and rank 0 shuts down."""
+    with Ranks(tmp_path, 2) as ranks:
+        workdir = ranks.start("killed_at", {"step": step}, LAYOUT="interleaved", MIN_RESERVED_PAGES=0,
+                              MAX_RESERVED_PAGES=0, TP_TIMEOUT_S=600, TP_TRANSPORT=transport)
+        wait_for_file(os.path.join(workdir, "ready"), RUN_S)
+        os.kill(ranks.procs[1].pid, signal.SIGKILL)
+        ranks.procs[1].wait(RUN_S)
+        open(os.path.join(workdir, "go"), "w").close()
+        result = ranks.wait(ranks=[0])
+    assert result["elapsed_s"] < 120, result                # far below the 600 s timeout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
-def test_tp2_follower_outlives_a_killed_scheduling_rank(tmp_path, device):
+def test_tp2_follower_outlives_a_killed_scheduling_rank(tmp_path, device, transport):
     """Rank 0 SIGKILLed: rank 1's service ends with the lost connection at once (no timeout to
     wait), and its shutdown and exit are clean."""
     with Ranks(tmp_path, 2) as ranks:
         workdir = ranks.start("leader_killed", {"device": device}, LAYOUT="interleaved", MIN_RESERVED_PAGES=0,
-                              MAX_RESERVED_PAGES=0, TP_TIMEOUT_S=600)
+                              MAX_RESERVED_PAGES=0, TP_TIMEOUT_S=600, TP_TRANSPORT=transport)
         wait_for_file(os.path.join(workdir, "ready"), RUN_S)
         os.kill(ranks.procs[0].pid, signal.SIGKILL)
         ranks.wait(ranks=[1])

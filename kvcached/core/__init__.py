@@ -5,7 +5,11 @@
                 to torch through DLPack)
     hostmem     HostBackend (mmap reservations over one pool memfd: the GPU's semantics on
                 host memory)
+    ledger      LedgerBackend (the books without the memory: a tensor-parallel leader that
+                owns no device)
     pagetable   PageTable (what one page id maps, all or nothing, with rollback)
+    rounds      RoundSegment (a tensor-parallel instance's rounds in shared memory, between
+                the ranks of one host)
     pagesets    where each page id is: FreeSet (a Fenwick tree), PoolStack (the reserved pool),
                 PendingRing (fenced ids, unmap retries), each with its own check, and PageLedger
                 (each id's state across them, the counts, the limit rule)

@@ -59,6 +59,24 @@ cdef extern from "<linux/falloc.h>" nogil:
     int FALLOC_FL_PUNCH_HOLE, FALLOC_FL_KEEP_SIZE
 
 
+cdef extern from "<semaphore.h>" nogil:
+    ctypedef struct sem_t:
+        pass
+    int sem_init(sem_t*, int pshared, unsigned int value)
+    int sem_destroy(sem_t*)
+    int sem_post(sem_t*)
+    int sem_trywait(sem_t*)
+    int sem_clockwait(sem_t*, int clock, const timespec* abstime)
+
+cdef extern from "<errno.h>" nogil:
+    int EINTR, ETIMEDOUT, EAGAIN
+
+cdef extern from "<sys/stat.h>" nogil:
+    cdef struct stat:
+        long st_size
+    int fstat(int fd, stat* buf)
+
+
 cdef inline double _now() noexcept nogil:
     """Monotonic seconds (CLOCK_MONOTONIC): the refill policy's clock and the benchmark hooks'."""
     cdef timespec ts

@@ -109,14 +109,57 @@ def text_tensor(text: str):
     return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8)
 
 
-class Channel:
-    """Point-to-point messages over one gloo group, between group rank 0 and the others.
+class LinkBase:
+    """What both transports share: the rank, the timeout, and the broken state.
 
-    ``peer`` arguments are group ranks. The scheduling rank's waits are bounded by deadlines;
-    a failed or timed-out wait breaks the channel for good (the gloo context is unusable after a
-    timeout, and the ranks may no longer agree on what is mapped): every later call raises
-    KVCachedTPError naming the first failure. Not thread-safe: its one user on each rank (the
-    leader's lock, the follower's service thread) serialises calls."""
+    A transport carries requests from group rank 0 to the others and one reply back for each:
+    on rank 0 ``send`` (one request to some peers) then ``receive`` (one peer's reply, within a
+    deadline), on the others ``wait_request`` (op and table id), ``read_request`` (the whole
+    request) then ``answer``. ``peer`` arguments are group
+    ranks. A failed or timed-out wait breaks the link for good (the ranks may no longer agree on
+    what is mapped): every later call raises KVCachedTPError naming the first failure. Not
+    thread-safe: its one user on each rank (the leader's lock, the follower's service thread)
+    serialises calls."""
+
+    kind = ""
+    rank: int
+    world_size: int
+    timeout_s: float
+    broken: str | None
+
+    def check(self, peer: int | None = None, operation: str | None = None) -> None:
+        """Raise KVCachedTPError if the link broke before."""
+        if self.broken is not None:
+            raise KVCachedTPError(
+                f"tensor-parallel control channel is broken since: {self.broken} Every rank of this instance "
+                f"must be restarted (shutdown_kvcached() on each rank that lives, then init_kvcached()).",
+                peer, operation)
+
+    def deadline(self, timeouts: int = 1) -> float:
+        """The monotonic time `timeouts` times KVCACHED_TP_TIMEOUT_S from now."""
+        return time.monotonic() + timeouts * self.timeout_s
+
+    def fail(self, peer: int, operation: str, what: str, exc: BaseException | None = None) -> None:
+        """Break the link: rank `peer` `what` during `operation`. Always raises KVCachedTPError."""
+        self.broken = f"tensor-parallel rank {peer} {what} during {operation}; it died or hangs."
+        raise KVCachedTPError(
+            f"{self.broken} kvcached cannot keep the ranks' KV memory in step: restart every rank of this "
+            f"instance (raise KVCACHED_TP_TIMEOUT_S if rank {peer} is only slow).", peer, operation) from exc
+
+    def out_of_step(self, peer: int, seq: int, expected: int, operation: str) -> None:
+        self.broken = f"tensor-parallel rank {peer} answered request {seq} to request {expected}."
+        raise KVCachedTPError(f"{self.broken} The control channel is out of step: restart every rank.",
+                              peer, operation)
+
+    def release(self) -> None:
+        """Drop whatever the serving side still holds of the transport (its thread ends)."""
+
+
+class Channel(LinkBase):
+    """Point-to-point messages over one gloo group, between group rank 0 and the others: the
+    transport across hosts. See Note [TP messages], Note [Posting receives], Note [Gloo timeouts]."""
+
+    kind = "gloo"
 
     def __init__(self, group, timeout_s: float) -> None:
         _, dist = _torch()
@@ -126,6 +169,14 @@ class Channel:
         self.global_ranks = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         self.timeout_s = timeout_s
         self.broken: str | None = None
+        self._posted: dict = {}                         # rank 0: peer -> (send works, reply work)
+        self._request = self._request_np = None         # rank 0: the request buffer, reused
+        self._replies: dict = {}                        # rank 0: peer -> reply buffer
+        self._requests = None                           # rank > 0: two request buffers, in turn
+        self._turn = 0
+        self._pending = None                            # rank > 0: the receive posted for the next request
+        self._reply = None                              # rank > 0: the reply buffer, reused
+        self._current: Request | None = None            # rank > 0: the request being handled
 
     # -- primitives ----------------------------------------------------------------------------
     def isend(self, peer: int, tensor, tag: int = TAG_HEADER):
@@ -135,14 +186,6 @@ class Channel:
     def irecv(self, peer: int, tensor, tag: int = TAG_HEADER):
         _, dist = _torch()
         return dist.irecv(tensor, src=self.global_ranks[peer], group=self.group, tag=tag)
-
-    def check(self, peer: int | None = None, operation: str | None = None) -> None:
-        """Raise KVCachedTPError if the channel broke before."""
-        if self.broken is not None:
-            raise KVCachedTPError(
-                f"tensor-parallel control channel is broken since: {self.broken} Every rank of this instance "
-                f"must be restarted (shutdown_kvcached() on each rank that lives, then init_kvcached()).",
-                peer, operation)
 
     def wait(self, work, deadline: float, peer: int, operation: str) -> None:
         """Wait for `work` until the monotonic `deadline`; KVCachedTPError (channel broken) when
@@ -156,14 +199,95 @@ class Channel:
             timed_out = "Timed out" in str(exc) or isinstance(exc, TimeoutError)
             what = (f"did not answer within KVCACHED_TP_TIMEOUT_S={self.timeout_s:g} s" if timed_out
                     else f"is unreachable ({str(exc).splitlines()[0][:200]})")
-            self.broken = (f"tensor-parallel rank {peer} {what} during {operation}; it died or hangs.")
-            raise KVCachedTPError(
-                f"{self.broken} kvcached cannot keep the ranks' KV memory in step: restart every rank of this "
-                f"instance (raise KVCACHED_TP_TIMEOUT_S if rank {peer} is only slow).", peer, operation) from exc
+            self.fail(peer, operation, what, exc)
 
-    def deadline(self, timeouts: int = 1) -> float:
-        """The monotonic time `timeouts` times KVCACHED_TP_TIMEOUT_S from now."""
-        return time.monotonic() + timeouts * self.timeout_s
+    # -- rank 0 ----------------------------------------------------------------------------------
+    def send(self, op: int, seq: int, table_id: int, page_ids: list[int], args: tuple[int, ...], peers) -> None:
+        """Post each peer's reply buffer, then send it the request (See Note [Posting receives]).
+        Raises KVCachedTPError (link broken) if a peer cannot be reached."""
+        if self._request is None:
+            self._request, self._request_np = buffer(REQUEST_SLOTS)
+            self._replies = {peer: buffer(REPLY_SLOTS) for peer in range(1, self.world_size)}
+        extra = encode_request(self._request_np, op, seq, table_id, page_ids, args)
+        self._posted.clear()
+        for peer in peers:
+            try:
+                reply_work = self.irecv(peer, self._replies[peer][0])
+                sends = [self.isend(peer, self._request)]
+                if extra is not None:
+                    sends.append(self.isend(peer, extra, TAG_IDS))
+            except Exception as exc:
+                self.fail(peer, OP_NAMES.get(op, str(op)), f"is unreachable ({str(exc).splitlines()[0][:200]})",
+                          exc)
+            self._posted[peer] = (sends, reply_work)
+
+    def receive(self, peer: int, seq: int, op: int, deadline: float) -> Reply:
+        """`peer`'s reply to request `seq` (and its payload), within `deadline`."""
+        torch, _ = _torch()
+        name = OP_NAMES.get(op, str(op))
+        sends, reply_work = self._posted.pop(peer)
+        for work in sends:
+            self.wait(work, deadline, peer, name)
+        self.wait(reply_work, deadline, peer, name)
+        got, status, count, *args = self._replies[peer][1].tolist()
+        if got != seq:
+            self.out_of_step(peer, got, seq, name)
+        payload = None
+        if count and (status == ERROR or (status == OK and op == QUERY)):
+            buf = torch.empty(count, dtype=torch.uint8 if status == ERROR else torch.int64)
+            self.wait(self.irecv(peer, buf, TAG_PAYLOAD), deadline, peer, name)
+            payload = bytes(buf.numpy()).decode(errors="replace") if status == ERROR else buf.tolist()
+        return Reply(got, status, count, tuple(args), payload)
+
+    # -- ranks > 0 -------------------------------------------------------------------------------
+    def wait_request(self) -> tuple[int, int]:
+        """Wait (without bound) for the next request; (op, table id) of it, read_request() the
+        whole. The next one's receive is posted as soon as a request is in, while rank 0 only
+        waits, and none after STOP (Note [Posting receives])."""
+        torch, _ = _torch()
+        if self._requests is None:
+            self._requests = [buffer(REQUEST_SLOTS), buffer(REQUEST_SLOTS)]
+            self._turn = 0
+        if self._pending is None:
+            self._pending = self.irecv(0, self._requests[self._turn][0])
+        self._pending.wait()
+        req = decode_request(self._requests[self._turn][1])
+        if req.op != STOP:
+            self._turn ^= 1
+            self._pending = self.irecv(0, self._requests[self._turn][0])
+        else:
+            self._pending = None
+        if req.num_ids > INLINE_IDS:
+            extra = torch.empty(req.num_ids - INLINE_IDS, dtype=torch.int64)
+            self.irecv(0, extra, TAG_IDS).wait()
+            req.page_ids += extra.tolist()
+        self._current = req
+        return req.op, req.table_id
+
+    def read_request(self) -> Request:
+        return self._current
+
+    def answer(self, req: Request, status: int, count: int, args: tuple[int, ...], payload) -> None:
+        """Send the reply to `req`; `payload`: a list of page ids (QUERY) or text (ERROR), or None."""
+        torch, _ = _torch()
+        if self._reply is None:
+            self._reply = buffer(REPLY_SLOTS)
+        tensor = None
+        if isinstance(payload, str):
+            tensor = text_tensor(payload)
+        elif payload:
+            tensor = torch.tensor(payload, dtype=torch.int64)
+        if tensor is not None:
+            count = tensor.numel()
+        encode_reply(self._reply[1], req.seq, status, count, args)
+        works = [self.isend(0, self._reply[0])]
+        if tensor is not None:
+            works.append(self.isend(0, tensor, TAG_PAYLOAD))
+        for work in works:
+            work.wait()
+
+    def release(self) -> None:
+        self._pending = self._current = None
 
 
 # Note [TP messages]

@@ -1,9 +1,13 @@
 """The service of a tensor-parallel rank > 0: applies the scheduling rank's maps and unmaps to
 this rank's page tables and answers each request.
 
-One daemon thread receives requests (kvcached.tp.channel) and handles them one at a time. Lock
-rule: ``_cond`` guards the tables and the closed flag and is held while a request is handled, so
-a local shutdown never tears a table down under a map. See Note [Follower life cycle].
+One daemon thread receives requests (over kvcached.tp.shm or kvcached.tp.channel) and handles
+them one at a time. Lock rule: ``_cond`` guards the tables, ``_fast`` and the closed flag and is
+held while a request is handled here, so a local shutdown never tears a table down under a map.
+The segment's fast path (shm) applies a map or unmap without it, on a table it found in
+``_fast``: a shutdown that closes that table meanwhile is serialised with the map by the table's
+own lock, and a map that comes second fails as closed and is answered as an error, as a request
+after close() is refused. See Note [Follower life cycle].
 """
 
 from __future__ import annotations
@@ -13,31 +17,24 @@ import threading
 from typing import TYPE_CHECKING
 
 from .._threads import start_daemon
-from ..errors import DriverError
+from ..errors import DriverError, KVCachedTPError
 from .channel import (
     ERROR,
     HELLO,
-    INLINE_IDS,
     MAP,
     OK,
     OOM,
     QUERY,
     REGISTER,
     RELEASE_CACHED,
-    REPLY_SLOTS,
-    REQUEST_SLOTS,
     STOP,
     STOPPED,
-    TAG_IDS,
-    TAG_PAYLOAD,
     UNMAP,
-    Channel,
+    LinkBase,
     Request,
-    buffer,
-    decode_request,
-    encode_reply,
-    text_tensor,
 )
+
+BACKEND_CODES = ("", "cuda", "host")      # a backend kind in a hello reply
 
 if TYPE_CHECKING:
     from ..core import Backend, PageTable
@@ -52,17 +49,18 @@ class Follower:
     unmapped again before each later map of that table; a map that asks for one still stuck is
     out of memory on this rank (the scheduling rank rolls every rank back)."""
 
-    def __init__(self, channel: Channel, backend: Backend, page_bytes: int) -> None:
+    def __init__(self, channel: LinkBase, backend: Backend, page_bytes: int) -> None:
         self.channel = channel
         self.backend = backend
         self.page_bytes = page_bytes
-        self.num_requests = 0
+        self.num_requests = 0                           # handled here (the segment counts the rest: num_served)
         self.error: BaseException | None = None         # why serving ended, if not by STOP
         self.stopped = threading.Event()                # the service thread has ended
         self._cond = threading.Condition()
         self._tables: dict[int, tuple[PageTable, tuple[int, ...]]] = {}
         self._streams: dict[int, int] = {}              # table id -> the stream an unmap waits for
         self._stuck: dict[int, set[int]] = {}
+        self._fast: dict[int, PageTable] = {}           # shm: the tables whose rounds the segment applies itself
         self._closed = False
         self._thread: threading.Thread | None = None
 
@@ -77,6 +75,7 @@ class Follower:
             self._tables[table_id] = (table, geometry)
             self._streams[table_id] = stream
             self._stuck[table_id] = set()
+            self._refresh_fast(table_id)
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -85,6 +84,7 @@ class Follower:
         with self._cond:
             self._closed = True
             self._tables.clear()
+            self._fast.clear()
             self._cond.notify_all()
 
     def wait_stopped(self, timeout_s: float | None = None) -> bool:
@@ -106,39 +106,82 @@ class Follower:
                     logger.error("tensor-parallel rank %d: lost the scheduling rank (%s); its pages stay mapped "
                                  "until shutdown_kvcached() here", self.channel.rank, str(exc).splitlines()[0][:200])
         finally:
+            self.channel.release()          # before `stopped`: the process group may be destroyed after it
             self.stopped.set()
 
     def _serve_loop(self) -> None:
-        """Receive, apply and answer requests until STOP. The next request's receive is posted
-        as soon as a request is in, while the scheduling rank only waits, and none after STOP
-        (Note [Posting receives] in channel). Its gloo work objects die with this frame, before
-        ``stopped`` is set and the process group may be destroyed."""
-        import torch
-
-        requests = [buffer(REQUEST_SLOTS), buffer(REQUEST_SLOTS)]
-        reply, reply_np = buffer(REPLY_SLOTS)
-        turn = 0
-        pending = self.channel.irecv(0, requests[0][0])
+        """Receive, apply and answer requests until STOP."""
+        if self.channel.kind == "shm":
+            return self._serve_rounds()
+        channel = self.channel
         while True:
-            pending.wait()
-            req = decode_request(requests[turn][1])
-            if req.op != STOP:
-                turn ^= 1
-                pending = self.channel.irecv(0, requests[turn][0])
-            if req.num_ids > INLINE_IDS:
-                extra = torch.empty(req.num_ids - INLINE_IDS, dtype=torch.int64)
-                self.channel.irecv(0, extra, TAG_IDS).wait()
-                req.page_ids += extra.tolist()
-            self.num_requests += 1
-            status, count, args, payload = self._handle(req)
-            encode_reply(reply_np, req.seq, status, count, args)
-            works = [self.channel.isend(0, reply)]
-            if payload is not None:
-                works.append(self.channel.isend(0, payload, TAG_PAYLOAD))
-            for work in works:
-                work.wait()
-            if req.op == STOP:
+            channel.wait_request()
+            if self._answer(channel.read_request()) == STOP:
                 return
+
+    def _answer(self, req: Request) -> int:
+        """Handle `req` the general way and answer it; its op."""
+        self.num_requests += 1
+        status, count, args, payload = self._handle(req)
+        with self._cond:
+            self._refresh_fast(req.table_id)
+        self.channel.answer(req, status, count, args, payload)
+        return req.op
+
+    def _serve_rounds(self) -> None:
+        """The shared-memory loop: the segment applies and answers every map or unmap of a
+        table in ``_fast`` itself, without the GIL around the driver calls and without a Python
+        object per page id (RoundSegment.serve); the rest comes here. See Note [Round segment]
+        in core/rounds.pyx."""
+        channel = self.channel
+        while True:
+            try:
+                got = channel.serve(self._fast, self._streams)
+            except KVCachedTPError:
+                raise                           # rank 0 is gone
+            except Exception as exc:            # the table raised: the request is ours to answer
+                self._fast_failed(channel.read_request(), exc)
+                continue
+            req = channel.read_request()
+            if got == 2:
+                self._fast_refused(req)
+            elif self._answer(req) == STOP:
+                return
+
+    def _refresh_fast(self, table_id: int) -> None:
+        """Whether `table_id`'s maps and unmaps take the fast path: a live table with no page id
+        stuck after a failed unmap (those need the checks of _map). Assumes _cond."""
+        entry = self._tables.get(table_id)
+        if entry is None or self._closed or self._stuck.get(table_id):
+            self._fast.pop(table_id, None)
+        else:
+            self._fast[table_id] = entry[0]
+
+    def _fast_failed(self, req: Request, exc: Exception) -> None:
+        """The fast path raised: what the table's undo left mapped is unmapped again later (as
+        _map and _unmap do), and the error goes back to the scheduling rank."""
+        logger.error("tensor-parallel rank %d: %s failed: %s", self.channel.rank, req.name, exc)
+        with self._cond:
+            entry = self._tables.get(req.table_id)
+            if entry is not None:
+                self._stuck[req.table_id].update(p for p in req.page_ids if entry[0].is_mapped(p))
+                self._refresh_fast(req.table_id)
+        self.num_requests += 1
+        self.channel.answer(req, *self._error(f"{req.name} failed: {type(exc).__name__}: {exc}"))
+
+    def _fast_refused(self, req: Request) -> None:
+        """The fast path's unmap left some page ids mapped (the driver refused): they are
+        retried before the next map of the table."""
+        with self._cond:
+            table = self._tables[req.table_id][0]
+            stuck = self._stuck[req.table_id]
+            stuck.update(p for p in req.page_ids if table.is_mapped(p))
+            self._refresh_fast(req.table_id)
+            left = len(stuck.intersection(req.page_ids))
+        logger.warning("tensor-parallel rank %d: %d page id(s) of group %d could not be unmapped; retried "
+                       "before the next map", self.channel.rank, left, req.table_id)
+        self.num_requests += 1
+        self.channel.answer(req, OK, left, (), None)
 
     def _handle(self, req: Request):
         """(status, count, reply args, payload tensor or None) for one request."""
@@ -149,6 +192,9 @@ class Follower:
                 return OK, 0, (), None
             if self._closed:
                 return STOPPED, 0, (), None
+            if len(req.page_ids) != req.num_ids:
+                return self._error(f"received a {req.name} request of {req.num_ids} page ids that carries "
+                                   f"{len(req.page_ids)}: the control channel was corrupted; restart every rank")
             try:
                 if req.op == HELLO:
                     return self._hello(*req.args[:2])
@@ -167,25 +213,24 @@ class Follower:
                 if req.op == UNMAP:
                     return OK, self._unmap(req.table_id, table, req.page_ids), (), None
                 if req.op == QUERY:
-                    import torch
-
                     ids = table.mapped_page_ids()
-                    return OK, len(ids), (), torch.tensor(ids, dtype=torch.int64) if ids else None
+                    return OK, len(ids), (), ids
                 return self._error(f"does not know operation {req.op}")
             except Exception as exc:
                 logger.exception("tensor-parallel rank %d: %s failed", self.channel.rank, req.name)
                 return self._error(f"{req.name} failed: {type(exc).__name__}: {exc}")
 
     def _error(self, text: str):
-        payload = text_tensor(f"rank {self.channel.rank} {text}"[:4000])
-        return ERROR, payload.numel(), (), payload
+        return ERROR, 0, (), f"rank {self.channel.rank} {text}"[:4000]
 
     def _hello(self, page_bytes: int, world_size: int):
         if (page_bytes, world_size) != (self.page_bytes, self.channel.world_size):
             return self._error(f"has pages of {self.page_bytes} bytes in a world of {self.channel.world_size}, the "
                                f"scheduling rank {page_bytes} bytes in {world_size}: pass the same page_size_bytes "
                                f"(KVCACHED_PAGE_SIZE_MB) and world_size to init_kvcached on every rank")
-        return OK, 0, (), None
+        # this rank's backend, for a leader without pages (init_kvcached(device="none"))
+        kind = BACKEND_CODES.index(self.backend.kind) if self.backend.kind in BACKEND_CODES else 0
+        return OK, 0, (kind, self.backend.granularity, int(self.backend.integrated_memory)), None
 
     def _register(self, table_id: int, geometry: tuple[int, ...]):
         """Wait (KVCACHED_TP_TIMEOUT_S, the lock released meanwhile) for this rank's
