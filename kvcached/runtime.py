@@ -138,7 +138,7 @@ def _make_backend(device: str, page_bytes: int, host_capacity_bytes: int | None)
 
 def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_worker: bool = False,
                   device=None, async_sched: bool = False, *, page_size_bytes: int | None = None,
-                  host_capacity_bytes: int | None = None, tp_group=None) -> None:
+                  host_capacity_bytes: int | None = None, tp_group=None, tp_link=None) -> None:
     """Set up kvcached for this process.
 
     device: "cuda:N", "cuda" or "cpu"; None = the current CUDA device if CUDA is usable, else the
@@ -157,7 +157,10 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
     map what it allocates. device="none" on rank 0 makes a leader without pages (a scheduler
     process that owns no device): ranks 1..world_size-1 hold the memory, its alloc_kv_cache
     returns no tensors and its managers count world_size - 1 ranks. See Note [Tensor-parallel
-    runtime] and Note [Leader without pages] in core/ledger.pyx.
+    runtime] and Note [Leader without pages] in core/ledger.pyx. `tp_link` replaces that
+    collective set-up with a link already made for this rank (kvcached.tp.named: ranks that share
+    no torch.distributed group, such as vLLM's scheduler and its workers); its rank and world
+    size must be tp_rank and world_size.
 
     Raises KVCachedConfigError for a bad setting or argument, or a torch.distributed state that
     does not match; DriverUnavailableError if CUDA was asked for and cannot be used;
@@ -205,7 +208,7 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
         tp = None
         if backend is None:
             tp = _start_tp(tp_rank, world_size, tp_group, None, page_bytes, settings.tp_timeout_s,
-                           settings.tp_transport)
+                           settings.tp_transport, tp_link)
             backend = _ledger_backend(tp, page_bytes)
         if page_bytes <= 0 or page_bytes % backend.granularity:
             raise KVCachedConfigError(
@@ -214,7 +217,7 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
                 f"{max(1, backend.granularity >> 20)}.")
         if tp is None and world_size > 1:
             tp = _start_tp(tp_rank, world_size, tp_group, backend, page_bytes, settings.tp_timeout_s,
-                           settings.tp_transport)
+                           settings.tp_transport, tp_link)
         _runtime = _Runtime(backend, wanted, page_bytes, tp_rank, world_size, tp)
         if tp is not None:
             stop_at_exit()          # rank 0 stops its peers at exit; See Note [Tensor-parallel runtime]
@@ -223,12 +226,19 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
 
 
 def _start_tp(tp_rank: int, world_size: int, tp_group, backend: Backend | None, page_bytes: int,
-              timeout_s: float, transport: str) -> Leader | Follower:
+              timeout_s: float, transport: str, link=None) -> Leader | Follower:
     """Rank 0: a Leader that has checked every peer's page size (and kept their backend's
-    description in `peer_backend`); other ranks: a running Follower."""
+    description in `peer_backend`); other ranks: a running Follower. Over `link` when given,
+    else over the channel that open_channel sets up."""
     from .tp import Follower, Leader, open_channel
 
-    channel = open_channel(tp_rank, world_size, tp_group, timeout_s, transport)
+    if link is None:
+        channel = open_channel(tp_rank, world_size, tp_group, timeout_s, transport)
+    elif (link.rank, link.world_size) != (tp_rank, world_size):
+        raise KVCachedConfigError(f"tp_link is rank {link.rank} of {link.world_size}, but init_kvcached was given "
+                                  f"tp_rank={tp_rank}, world_size={world_size}: pass the link's rank and size")
+    else:
+        channel = link
     if tp_rank == 0:
         leader = Leader(channel)
         leader.peer_backend = leader.hello(page_bytes)
@@ -248,6 +258,12 @@ def _ledger_backend(leader: Leader, page_bytes: int):
         raise KVCachedConfigError(f"the tensor-parallel ranks reported a {kind or 'unknown'} backend of {granularity}-byte "
                                   f"granules; a leader without pages needs ranks on cuda or host backends")
     return LedgerBackend(granularity, kind, integrated)
+
+
+def initialized_as() -> tuple[int, int] | None:
+    """(tp_rank, world_size) of this process's kvcached, or None if it is not initialised."""
+    with _lock:
+        return None if _runtime is None else (_runtime.tp_rank, _runtime.world_size)
 
 
 def runtime() -> _Runtime:

@@ -26,6 +26,7 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from ...checks import as_int
 from ...errors import KVCachedConfigError
 from ...kv_cache_manager import KVCacheManager
+from .tp import lead_workers
 
 STANDALONE_GROUP_BASE = 1 << 16     # kvcached group ids of standalone pools start here
 LIMIT_CHECK_S = 0.01                # how often a pool looks at its manager's limit (get_num_free_blocks)
@@ -86,6 +87,8 @@ def pool_geometry() -> PoolGeometry | None:
 def _manager_for(num_blocks: int) -> tuple[KVCacheManager, int | None]:
     """A new manager for a pool of num_blocks, and its standalone group id (None for a group set
     by set_pool_geometry), which a later pool may reuse once this one is closed."""
+    if _geometry is None:
+        lead_workers()      # vLLM at TP > 1: See Note [vLLM at TP > 1] in tp.py
     with _lock:
         geometry = _geometry or STANDALONE_GEOMETRY
         if geometry.num_blocks not in (None, num_blocks):

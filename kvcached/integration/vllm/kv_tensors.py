@@ -27,6 +27,7 @@ from ...checks import as_int
 from ...errors import KVCachedConfigError
 from ...runtime import alloc_kv_cache
 from .block_pool import PoolGeometry, set_pool_geometry
+from .tp import join_scheduler, publish_geometry, worker_world
 
 SUPPORTED_SPECS = (FullAttentionSpec, SlidingWindowSpec)      # MLAAttentionSpec is a FullAttentionSpec
 DEFAULT_LAYOUT = KVCacheLayout.LBHNC
@@ -44,16 +45,16 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLay
 
     Raises KVCachedConfigError, with nothing allocated, for a spec other than full attention,
     sliding window or MLA, host-resident tensors, KV pages of different sizes, a layout that
-    splits a block, a distributed world of more than one rank, or a vLLM engine whose executor
-    runs the worker outside the scheduler's process (pages are mapped by the process that
-    allocates blocks, the scheduler's: vLLM's uniproc executor). See Note [One process].
+    splits a block, or a vLLM engine whose executor runs the worker outside the scheduler's
+    process (pages are mapped by the process that allocates blocks, the scheduler's: vLLM's
+    uniproc executor). See Note [One process]. At tensor_parallel_size > 1 under vLLM's
+    multiprocess executor this worker instead joins, as rank TP rank + 1, the kvcached instance
+    that the scheduler's pool leads; pipeline parallelism and other executors are refused (See
+    Note [vLLM at TP > 1] in tp.py).
     """
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
-        raise KVCachedConfigError(
-            f"kvcached's vLLM integration runs with one worker in the scheduler's process, but the world size is "
-            f"{torch.distributed.get_world_size()}: use tensor_parallel_size=1 and pipeline_parallel_size=1")
-    _check_worker_in_scheduler_process()
+    world = worker_world()          # (TP rank, TP size) at TP > 1: See Note [vLLM at TP > 1] in tp.py
+    if world is None:
+        _check_worker_in_scheduler_process()
     group_id = as_int(group_id, "group_id", minimum=0)
     if not kv_cache_config.kv_cache_tensors:
         return {}
@@ -71,6 +72,8 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLay
     slots: dict[int, int] = {}
     for tensor, index, _, _ in placements:
         slots.setdefault(tensor.offset + index * tensor.layer_stride, len(slots))
+    if world is not None:
+        join_scheduler(device, *world)
     buffers = alloc_kv_cache((num_blocks, 1, page_bytes), 1, torch.int8, device, len(slots), attention_type="MLA",
                              group_id=group_id)
     kv_caches: dict[str, torch.Tensor] = {}
@@ -86,6 +89,8 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLay
                                                    kernel_block_size=kernel_block_size)
     set_pool_geometry(PoolGeometry(block_size=1, cell_size=page_bytes, num_layers=len(slots), num_kv_buffers=1,
                                    group_id=group_id, num_blocks=num_blocks))
+    if world is not None:
+        publish_geometry(*world, page_bytes, num_blocks, len(slots), group_id)
     return kv_caches
 
 

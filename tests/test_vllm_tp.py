@@ -1,0 +1,65 @@
+"""vLLM at tensor parallelism: vLLM's engine-core process with the scheduler's pool leads, its TP
+worker processes (its children, as vLLM's multiprocess executor starts them) follow; real
+processes with vLLM's own classes, host backend (tests/_vllm_tp_procs.py runs the roles).
+See Note [vLLM at TP > 1] in kvcached/integration/vllm/tp.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import _vllm_contract  # noqa: F401  (skips this module without a supported vLLM)
+import pytest
+
+from _vllm_tp_procs import REPLY, WAIT_S
+
+pytestmark = pytest.mark.slow       # three processes that import vLLM: about a minute each test
+
+PROCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vllm_tp_procs.py")
+REPO = os.path.dirname(os.path.dirname(PROCS))
+TP = 2
+PAGE = 1 << 20
+
+
+def run_scheduler(scenario: str, tmp_path) -> dict:
+    """vLLM's engine core (the scheduler process) and its TP workers; the scheduler's result."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
+    env.update(PYTHONPATH=REPO, VLLM_TARGET_DEVICE="cpu", KVCACHED_PAGE_SIZE_MB=str(PAGE >> 20),
+               KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES="0")
+    proc = subprocess.run([sys.executable, PROCS, "scheduler", scenario, str(TP), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=2 * WAIT_S)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(REPLY)]
+    assert proc.returncode == 0 and lines, f"scheduler exited with {proc.returncode}:\n{proc.stderr[-6000:]}"
+    return json.loads(lines[-1][len(REPLY):])
+
+
+def test_the_schedulers_pool_leads_the_tp_workers(tmp_path):
+    """Blocks handed out by vLLM's KVCacheManager are backed on every worker (each writes and
+    reads the rows), the ranks map the same pages as the scheduler's ledger, frees unmap them
+    everywhere, the manager counts every worker's bytes, the rendezvous files are gone once the
+    scheduler leads, and shutdown stops the workers cleanly."""
+    result = run_scheduler("serve", tmp_path)
+    assert result["files_left"] is False
+    assert result["world_size"] == TP
+    assert result["page_bytes"] == TP * result["table_page_bytes"]      # limits and budget count every rank
+    assert result["same_after_admit"] and result["same_after_free"], result
+    assert set(result["mapped_after_admit"]) == {str(r) for r in range(TP + 1)}
+    assert result["mapped_after_admit"]["0"] == 3 and result["mapped_after_free"]["0"] == 1, result
+    assert result["wrote"] == [True] * TP
+    assert result["worker_codes"] == [0] * TP
+
+
+def test_a_killed_worker_fails_the_schedulers_next_allocation(tmp_path):
+    """A worker SIGKILLed mid-run: the scheduler's next allocation that needs a page raises
+    KVCachedTPError naming the rank, within a fraction of a second rather than hanging; later
+    allocations never hand out blocks of pages the ranks may not hold."""
+    result = run_scheduler("kill", tmp_path)
+    assert result["error"] is not None, result
+    assert result["rank"] == result["victim_rank"] == TP and result["operation"] == "map"
+    assert f"rank {TP} is gone" in result["error"] and "restart every rank" in result["error"]
+    assert result["elapsed_s"] < 5.0, result
+    later = result["later"]
+    assert later == [0, None] or "broken" in later, later
