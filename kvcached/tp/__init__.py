@@ -10,6 +10,7 @@ gloo group is made either way, beside the model's NCCL group, and carries the se
 
     channel.py   message format, what a transport offers (LinkBase), the gloo transport
     shm.py       the shared-memory transport and its rendezvous
+    named.py     a rendezvous by name, for ranks that share no torch.distributed group
     mirror.py    Leader (rank 0): rounds of requests; TableMirror: the PageTable's PageMirror
     follower.py  Follower (ranks > 0): the service thread
 """

@@ -8,7 +8,8 @@
   ``pool.release_free_pages()`` gives cached pages back).
 - ``allocate_kv_cache(kv_cache_config, device, layout, kernel_block_sizes)``: vLLM's worker
   allocation over kvcached; it sets the geometry of the next pool (``set_pool_geometry``,
-  ``PoolGeometry``, ``STANDALONE_GEOMETRY``).
+  ``PoolGeometry``, ``STANDALONE_GEOMETRY``). At tensor_parallel_size > 1 (vLLM's multiprocess
+  executor) each worker joins the kvcached instance that the scheduler's first pool leads (tp.py).
 - ``check_vllm_version()``, ``SUPPORTED_VLLM``.
 
 Importing this package imports no vLLM module and changes nothing; the names that need vLLM
