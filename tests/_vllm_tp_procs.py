@@ -139,11 +139,14 @@ def _leader():
 
 
 def serve(procs, tp: int, workdir: str) -> dict:
-    """Requests admitted and freed through vLLM's KVCacheManager: every worker maps exactly the
-    pages the scheduler's pool holds, and writes the rows of the blocks it handed out."""
+    """Requests admitted and freed through vLLM's KVCacheManager under a global budget of 3 page
+    ids of every rank: every worker maps exactly the pages the scheduler's pool holds and writes
+    the rows of the blocks it handed out; the budget and the tracker count every rank."""
     from _vllm_contract import admit, make_request
 
     from kvcached import shutdown_kvcached
+    from kvcached.shm.budget import read_budget
+    from kvcached.shm.client import read_segment
     from kvcached.shm.files import own_identity
     from kvcached.tp import named
 
@@ -161,6 +164,16 @@ def serve(procs, tp: int, workdir: str) -> dict:
     mapped = leader.mapped_everywhere(0, table)
     result["mapped_after_admit"] = {str(rank): len(ids) for rank, ids in mapped.items()}
     result["same_after_admit"] = all(ids == mapped[0] for ids in mapped.values())
+    # The budget holds 3 page ids of every rank: a fourth request is refused, not admitted on
+    # the strength of one rank's bytes; the tracker publishes every rank's.
+    result["fourth"] = admit(manager, make_request("3", [3] * PROMPT_TOKENS))[1]
+    budget = os.environ["KVCACHED_GLOBAL_BUDGET"]
+    result["budget_held"] = read_budget(budget).held_bytes
+    deadline = time.monotonic() + WAIT_S               # the tracker publishes every 10 ms
+    while (used := read_segment(pool.manager.ipc_name).used_bytes) != result["budget_held"] \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    result["tracker_used"] = used
     write_file(f"{workdir}/blocks.json", json.dumps(block_ids))
     result["wrote"] = []
     for rank in range(tp):

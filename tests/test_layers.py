@@ -38,8 +38,10 @@ LAYERS = (
     {"cli"},
 )
 # The public API: what applications built on kvcached may import from it.
+# tp.named: the rendezvous by name of an engine whose scheduler is in no process group of its
+# workers (its links go to init_kvcached(tp_link=)).
 PUBLIC = {"", "runtime", "kv_cache_manager", "limits", "shm.client", "shm.segment", "shm.budget", "errors",
-          "checks", "config", "sizes"}
+          "checks", "config", "sizes", "tp.named"}
 # Applications, bottom first: each may import the public API, itself and the ones below it.
 APPS = ("ops", "serving", "integration", "demo")
 

@@ -6,6 +6,7 @@ See Note [vLLM at TP > 1] in kvcached/integration/vllm/tp.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -16,6 +17,9 @@ import pytest
 
 from _vllm_tp_procs import REPLY, WAIT_S
 
+from kvcached.errors import KVCachedError
+from kvcached.shm.budget import delete_budget
+
 pytestmark = pytest.mark.slow       # three processes that import vLLM: about a minute each test
 
 PROCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vllm_tp_procs.py")
@@ -25,12 +29,19 @@ PAGE = 1 << 20
 
 
 def run_scheduler(scenario: str, tmp_path) -> dict:
-    """vLLM's engine core (the scheduler process) and its TP workers; the scheduler's result."""
+    """vLLM's engine core (the scheduler process) and its TP workers, under a global budget of
+    3 page ids of every rank (2 layers each); the scheduler's result."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHED_")}
     env.update(PYTHONPATH=REPO, VLLM_TARGET_DEVICE="cpu", KVCACHED_PAGE_SIZE_MB=str(PAGE >> 20),
-               KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES="0")
-    proc = subprocess.run([sys.executable, PROCS, "scheduler", scenario, str(TP), str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=2 * WAIT_S)
+               KVCACHED_MIN_RESERVED_PAGES="0", KVCACHED_MAX_RESERVED_PAGES="0",
+               KVCACHED_GLOBAL_BUDGET=f"vllm-tp-{os.getpid()}-{tmp_path.name}"[-40:],
+               KVCACHED_GLOBAL_BUDGET_BYTES=str(3 * TP * 2 * PAGE))
+    try:
+        proc = subprocess.run([sys.executable, PROCS, "scheduler", scenario, str(TP), str(tmp_path)], env=env,
+                              capture_output=True, text=True, timeout=2 * WAIT_S)
+    finally:
+        with contextlib.suppress(KVCachedError):       # its holders have exited: no live slot
+            delete_budget(env["KVCACHED_GLOBAL_BUDGET"])
     lines = [line for line in proc.stdout.splitlines() if line.startswith(REPLY)]
     assert proc.returncode == 0 and lines, f"scheduler exited with {proc.returncode}:\n{proc.stderr[-6000:]}"
     return json.loads(lines[-1][len(REPLY):])
@@ -39,8 +50,8 @@ def run_scheduler(scenario: str, tmp_path) -> dict:
 def test_the_schedulers_pool_leads_the_tp_workers(tmp_path):
     """Blocks handed out by vLLM's KVCacheManager are backed on every worker (each writes and
     reads the rows), the ranks map the same pages as the scheduler's ledger, frees unmap them
-    everywhere, the manager counts every worker's bytes, the rendezvous files are gone once the
-    scheduler leads, and shutdown stops the workers cleanly."""
+    everywhere, the manager, the budget and the tracker count every worker's bytes, the
+    rendezvous files are gone once the scheduler leads, and shutdown stops the workers cleanly."""
     result = run_scheduler("serve", tmp_path)
     assert result["files_left"] is False
     assert result["world_size"] == TP
@@ -48,6 +59,8 @@ def test_the_schedulers_pool_leads_the_tp_workers(tmp_path):
     assert result["same_after_admit"] and result["same_after_free"], result
     assert set(result["mapped_after_admit"]) == {str(r) for r in range(TP + 1)}
     assert result["mapped_after_admit"]["0"] == 3 and result["mapped_after_free"]["0"] == 1, result
+    assert result["fourth"] is None, result                             # the budget counts every rank
+    assert result["budget_held"] == result["tracker_used"] == 3 * result["page_bytes"], result
     assert result["wrote"] == [True] * TP
     assert result["worker_codes"] == [0] * TP
 

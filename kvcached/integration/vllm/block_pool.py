@@ -88,7 +88,9 @@ def _manager_for(num_blocks: int) -> tuple[KVCacheManager, int | None]:
     """A new manager for a pool of num_blocks, and its standalone group id (None for a group set
     by set_pool_geometry), which a later pool may reuse once this one is closed."""
     if _geometry is None:
-        lead_workers()      # vLLM at TP > 1: See Note [vLLM at TP > 1] in tp.py
+        workers = lead_workers()        # vLLM at TP > 1: See Note [vLLM at TP > 1] in tp.py
+        if workers is not None:
+            set_pool_geometry(PoolGeometry(**workers))      # for the pools that follow too
     with _lock:
         geometry = _geometry or STANDALONE_GEOMETRY
         if geometry.num_blocks not in (None, num_blocks):

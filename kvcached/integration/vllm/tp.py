@@ -81,19 +81,17 @@ def publish_geometry(tp_rank: int, tp_size: int, page_bytes: int, num_blocks: in
         "block_bytes": page_bytes, "num_blocks": num_blocks, "num_buffers": num_buffers, "group_id": group_id})
 
 
-def lead_workers():
+def lead_workers() -> dict | None:
     """In the scheduler's process: if this process's workers left a card, lead them (rank 0
-    without pages), make the group they made and return its PoolGeometry (also set for the
-    pools that follow); else None (a pool beside its worker, or a standalone one). O(1) without
-    a card: one failed open.
+    without pages), make the group they made and return its pool geometry (the PoolGeometry
+    fields); else None (a pool beside its worker, or a standalone one). O(1) without a card:
+    one failed open.
 
     Raises KVCachedConfigError for a card of another version or a runtime already initialised
     otherwise; KVCachedTPError if a worker did not join or died."""
     card = named.read_card()
     if card is None:
         return None
-    from .block_pool import PoolGeometry, set_pool_geometry
-
     if card.get("version") != CARD_VERSION:
         raise KVCachedConfigError(f"the vLLM workers left a card of version {card.get('version')}, this kvcached reads "
                                   f"version {CARD_VERSION}: install one kvcached for the engine and its workers")
@@ -106,10 +104,8 @@ def lead_workers():
     # The workers' own call (allocate_kv_cache), repeated: the same group, no tensors here.
     alloc_kv_cache((num_blocks, 1, block_bytes), 1, torch.int8, "none", num_buffers, attention_type="MLA",
                    group_id=group_id)
-    geometry = PoolGeometry(block_size=1, cell_size=block_bytes, num_layers=num_buffers, num_kv_buffers=1,
-                            group_id=group_id, num_blocks=num_blocks)
-    set_pool_geometry(geometry)
-    return geometry
+    return dict(block_size=1, cell_size=block_bytes, num_layers=num_buffers, num_kv_buffers=1, group_id=group_id,
+                num_blocks=num_blocks)
 
 
 # Note [vLLM at TP > 1]
