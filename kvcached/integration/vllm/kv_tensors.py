@@ -53,6 +53,7 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLay
 
     Raises KVCachedConfigError, with nothing allocated, for a spec other than full attention,
     sliding window, MLA or Mamba state (hybrid models), host-resident tensors, KV pages of different sizes,
+    vLLM's sleep mode with a backend other than "kvcached" (Note [A sleep-mode backend] in sleep),
     kvcached already initialised with pages that vLLM's page does not divide, a layout that splits a block, a distributed world of more than one rank, or a vLLM engine whose executor
     runs the worker outside the scheduler's process (pages are mapped by the process that
     allocates blocks, the scheduler's: vLLM's uniproc executor). See Note [One process].
@@ -122,11 +123,18 @@ def _init_pages_of_whole_blocks(block_bytes: int, device) -> None:
 
 
 def _check_worker_in_scheduler_process() -> None:
-    """Refuse, while vLLM initialises a worker (its current config is set), an executor that runs
-    the worker in a process of its own. See Note [One process]."""
+    """Refuse, while vLLM initialises a worker (its current config is set), sleep mode with a
+    backend other than kvcached's, and an executor that runs the worker in a process of its own.
+    See Note [One process]."""
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None:         # called by code that builds its own pool in this process
         return
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.enable_sleep_mode and model_config.sleep_mode_backend != "kvcached":
+        raise KVCachedConfigError(
+            f"vLLM's sleep mode is on with sleep_mode_backend={model_config.sleep_mode_backend!r}, which cannot "
+            f"release kvcached's KV cache (it is not in vLLM's memory pool): use sleep_mode_backend='kvcached' "
+            f"(--sleep-mode-backend kvcached), registered by kvcached's plugin. See Note [A sleep-mode backend]")
     backend = vllm_config.parallel_config.distributed_executor_backend
     executor = Executor.get_class(vllm_config)
     if not issubclass(executor, UniProcExecutor):
