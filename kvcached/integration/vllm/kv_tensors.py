@@ -52,11 +52,12 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLay
     blocks].
 
     Raises KVCachedConfigError, with nothing allocated, for a spec other than full attention,
-    sliding window, MLA or Mamba state (hybrid models), host-resident tensors, KV pages of different sizes,
-    vLLM's sleep mode with a backend other than "kvcached" (Note [A sleep-mode backend] in sleep),
-    kvcached already initialised with pages that vLLM's page does not divide, a layout that splits a block, a distributed world of more than one rank, or a vLLM engine whose executor
-    runs the worker outside the scheduler's process (pages are mapped by the process that
-    allocates blocks, the scheduler's: vLLM's uniproc executor). See Note [One process].
+    sliding window, MLA or Mamba state (hybrid models), host-resident tensors, KV pages of
+    different sizes, kvcached already initialised with pages that vLLM's page does not divide, a
+    layout that splits a block, a distributed world of more than one rank, vLLM's sleep mode with
+    a backend other than "kvcached" (Note [A sleep-mode backend] in sleep), or a vLLM engine whose
+    executor runs the worker outside the scheduler's process (pages are mapped by the process
+    that allocates blocks, the scheduler's: vLLM's uniproc executor). See Note [One process].
     """
     if torch.distributed.is_available() and torch.distributed.is_initialized() \
             and torch.distributed.get_world_size() > 1:
