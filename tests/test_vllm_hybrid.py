@@ -171,3 +171,53 @@ def test_pages_that_would_split_hybrid_blocks_are_refused(vllm_kv, tmp_path):
     with pytest.raises(KVCachedConfigError, match=r"pages of 65536 bytes.*KVCACHED_PAGE_SIZE_MB=3\b"):
         allocate_kv_cache(config, "cpu", KVCacheLayout.LBNHC)
     assert pool_geometry() is None                  # nothing was allocated, no geometry set
+
+
+def test_hybrid_scheduler_hands_out_rows_of_the_hybrid_tensors(kv_uninitialised, tmp_path):
+    """vLLM's scheduler-side KVCacheManager over a hybrid config (its hybrid coordinator, one
+    pool for the attention and Mamba groups) with the ElasticBlockPool the worker hook pointed at
+    the tensors: every group's blocks of an admitted request are mapped rows, written through the
+    attention view and the Mamba states; freeing and resetting give every page back."""
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+
+    from _vllm_contract import make_request
+    from kvcached.integration.vllm import disable, enable
+
+    init_none_hash(sha256)
+    config, specs = hybrid_kv_cache_config(HF_CONFIGS["granite-4.0-h"](), tmp_path, KVCacheLayout.LBNHC)
+    tensors = allocate_kv_cache(config, "cpu", KVCacheLayout.LBNHC)
+    block_size = config.kv_cache_groups[0].kv_cache_spec.block_size
+    enable(worker=False)
+    try:
+        manager = VllmKVCacheManager(config, max_model_len=128, scheduler_block_size=block_size,
+                                     hash_block_size=block_size, enable_caching=True)
+    finally:
+        disable()
+    pool = manager.block_pool
+    assert isinstance(pool, ElasticBlockPool)
+    try:
+        request = make_request("a", list(range(100)))
+        blocks = manager.allocate_slots(request, request.num_tokens)
+        assert blocks is not None
+        ids_by_group = blocks.get_block_ids()
+        assert len(ids_by_group) == len(config.kv_cache_groups) >= 2
+        for group, block_ids in zip(config.kv_cache_groups, ids_by_group):
+            live = [block_id for block_id in block_ids if block_id != pool.null_block.block_id]
+            assert live, group.layer_names
+            for name in group.layer_names:
+                if isinstance(specs[name], MambaSpec):
+                    for state in mamba_states(tensors[name], specs[name]):
+                        state[live] = 3
+                        assert bool((state[live] == 3).all()), name
+                else:
+                    tensors[name][live] = 2.0
+                    assert bool((tensors[name][live] == 2.0).all()), name
+        pool.check_invariants()
+        manager.free(request)
+        assert manager.reset_prefix_cache()
+        assert pool.manager.stats()["pages"]["mapped"] == 1       # the null block's page
+        pool.check_invariants()
+    finally:
+        pool.close()
