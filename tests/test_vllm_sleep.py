@@ -199,22 +199,28 @@ def test_sleep_without_the_reset_drops_the_cache_too(engine):
 
 
 def test_sleep_with_a_request_running_is_refused_and_changes_nothing(engine):
+    """Refused for every pool of the process (an idle standalone one too) while one pool has a
+    block in use; fine once the request is freed."""
     manager, pool, kv = engine
+    set_pool_geometry(None)
+    idle = ElasticBlockPool(8, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
     running = make_request("running", _prompt(0, 3))
     block_ids = _fill(manager, kv, running, 5.0)
     pages, free_count = mapped_pages(pool), pool.get_num_free_blocks()
     backend = KVCachedSleepBackend()
     with pytest.raises(BlockStateError, match="3 blocks of this pool are in use.*LLM.sleep"):
         backend.suspend(level=1)
-    assert backend.state() == "RUNNING" and not pool.asleep
+    assert backend.state() == "RUNNING" and not pool.asleep and not idle.asleep
     assert (mapped_pages(pool), pool.get_num_free_blocks()) == (pages, free_count)
     assert bool((kv[block_ids] == 5.0).all())               # still mapped, still its bytes
     pool.check_invariants()
     manager.free(running)
     backend.suspend(level=2)
-    assert mapped_pages(pool) == 0
+    assert mapped_pages(pool) == mapped_pages(idle) == 0
     backend.resume(["kv_cache"])
-    assert not pool.asleep
+    assert not pool.asleep and not idle.asleep
+    idle.check_invariants()
+    idle.close()
 
 
 def test_discard_of_the_kv_cache_tag_releases_and_resume_restores(engine):
