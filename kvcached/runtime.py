@@ -261,6 +261,13 @@ def runtime() -> _Runtime:
         return rt
 
 
+def initialised_page_bytes() -> int | None:
+    """The page size, in bytes, of this process's initialised kvcached; None before
+    init_kvcached (or after shutdown_kvcached). Initialises nothing. O(1)."""
+    with _lock:
+        return None if _runtime is None else _runtime.page_bytes
+
+
 def _shape_kind(kvcache_shape, block_size: int, attention_type: str, kv_layout: str):
     """(shape_kind, num_blocks, block_shape in NHD order, num_kv_buffers) of an engine's shape."""
     try:
