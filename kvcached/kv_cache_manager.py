@@ -544,6 +544,7 @@ class KVCacheManager:
         """The page id each block id lies in: the blocks of one page go back to the device
         together, so an engine that must give memory back frees whole pages' holders (the
         serving loop does, Note [Fair share in the loop]). Ids are not checked. O(len)."""
+        self._check_open()
         num, den = self._blocks.id_to_page_num, self._blocks.id_to_page_den
         return [int(b) * num // den for b in block_ids]
 

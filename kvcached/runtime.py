@@ -260,7 +260,7 @@ def _ledger_backend(leader: Leader, page_bytes: int):
     return LedgerBackend(granularity, kind, integrated)
 
 
-def initialized_as() -> tuple[int, int] | None:
+def initialised_as() -> tuple[int, int] | None:
     """(tp_rank, world_size) of this process's kvcached, or None if it is not initialised."""
     with _lock:
         return None if _runtime is None else (_runtime.tp_rank, _runtime.world_size)
@@ -275,6 +275,13 @@ def runtime() -> _Runtime:
         assert rt is not None
         _check_usable(rt)
         return rt
+
+
+def initialised_page_bytes() -> int | None:
+    """The page size, in bytes, of this process's initialised kvcached; None before
+    init_kvcached (or after shutdown_kvcached). Initialises nothing. O(1)."""
+    with _lock:
+        return None if _runtime is None else _runtime.page_bytes
 
 
 def _shape_kind(kvcache_shape, block_size: int, attention_type: str, kv_layout: str):

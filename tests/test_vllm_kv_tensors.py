@@ -16,8 +16,8 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    HiSparseHotSpec,
     KVCacheTensor,
-    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -93,11 +93,11 @@ def test_kv_tensors_match_vllms_views_and_alias_as_vllm_places_them(vllm_kv, gro
 
 
 def test_kv_tensors_refuse_what_kvcached_cannot_back(vllm_kv):
-    mamba = MambaSpec(block_size=4, shapes=((2, 3),), dtypes=(torch.float32,))
-    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[KVCacheTensor(size=1 << 12, layers=["m"], layer_stride=0,
+    raw = HiSparseHotSpec(block_size=4, page_size=512, blocks_per_request=2)     # a raw buffer, no layer views
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[KVCacheTensor(size=1 << 12, layers=["h"], layer_stride=0,
                                                                          block_stride=0)],
-                           kv_cache_groups=[KVCacheGroupSpec(["m"], mamba)])
-    with pytest.raises(KVCachedConfigError, match="MambaSpec"):
+                           kv_cache_groups=[KVCacheGroupSpec(["h"], raw)])
+    with pytest.raises(KVCachedConfigError, match="HiSparseHotSpec"):
         allocate_kv_cache(config, "cpu")
     with pytest.raises(KVCachedConfigError, match="LHBNC"):
         allocate_kv_cache(_config(8, {"full": ["f0"]}, False), "cpu", KVCacheLayout.LHBNC)

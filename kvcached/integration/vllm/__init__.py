@@ -10,6 +10,9 @@
   allocation over kvcached; it sets the geometry of the next pool (``set_pool_geometry``,
   ``PoolGeometry``, ``STANDALONE_GEOMETRY``). At tensor_parallel_size > 1 (vLLM's multiprocess
   executor) each worker joins the kvcached instance that the scheduler's first pool leads (tp.py).
+- ``KVCachedSleepBackend``: vLLM's sleep-mode backend "kvcached" (``LLM(...,
+  enable_sleep_mode=True, sleep_mode_backend="kvcached")``); ``release_kv_cache()`` /
+  ``restore_kv_cache()`` put this process's pools to sleep and wake them.
 - ``check_vllm_version()``, ``SUPPORTED_VLLM``.
 
 Importing this package imports no vLLM module and changes nothing; the names that need vLLM
@@ -28,12 +31,16 @@ _NEEDS_VLLM = {
     "pool_geometry": "block_pool",
     "set_pool_geometry": "block_pool",
     "allocate_kv_cache": "kv_tensors",
+    "KVCachedSleepBackend": "sleep",
+    "release_kv_cache": "sleep",
+    "restore_kv_cache": "sleep",
 }
 
 __all__ = [
     "STANDALONE_GEOMETRY",
     "SUPPORTED_VLLM",
     "ElasticBlockPool",
+    "KVCachedSleepBackend",
     "PoolGeometry",
     "allocate_kv_cache",
     "check_vllm_version",
@@ -42,6 +49,8 @@ __all__ = [
     "is_enabled",
     "pool_geometry",
     "register",
+    "release_kv_cache",
+    "restore_kv_cache",
     "set_pool_geometry",
 ]
 

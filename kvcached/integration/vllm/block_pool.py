@@ -24,7 +24,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from ...checks import as_int
-from ...errors import KVCachedConfigError
+from ...errors import BlockStateError, KVCachedConfigError
 from ...kv_cache_manager import KVCacheManager
 from .tp import lead_workers
 
@@ -65,6 +65,13 @@ _lock = threading.RLock()     # re-entrant: a pool's finalizer may run in gc whi
 _geometry: PoolGeometry | None = None
 _standalone_ids = itertools.count(STANDALONE_GROUP_BASE)
 _idle_standalone_groups: dict[int, list[int]] = {}     # num_blocks -> group ids of closed pools
+_live_pools: weakref.WeakSet[ElasticBlockPool] = weakref.WeakSet()     # what sleep mode puts to sleep
+
+
+def live_pools() -> list[ElasticBlockPool]:
+    """The ElasticBlockPools of this process that are not closed (sleep mode's, Note [Sleep])."""
+    with _lock:
+        return [pool for pool in _live_pools if not pool.manager.closed]
 
 
 def set_pool_geometry(geometry: PoolGeometry | None) -> None:
@@ -171,7 +178,10 @@ class ElasticBlockPool(BlockPool):
         self._limit_check_s = LIMIT_CHECK_S
         self._next_limit_check = 0.0
         self._finalizer = weakref.finalize(self, _close_manager, manager, num_gpu_blocks, standalone_group)
+        self._asleep = False            # See Note [Sleep]
         self._bind_count()
+        with _lock:
+            _live_pools.add(self)
 
     def close(self) -> None:
         """Close the manager: every page of this pool is unmapped; the pool is unusable after."""
@@ -211,15 +221,75 @@ class ElasticBlockPool(BlockPool):
             self.get_num_free_blocks = self._count_with_held_free   # type: ignore[method-assign]
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM's reset, with blocks in use counted from the free queue rather than from the
-        (limit-dependent) free count, so that a limit does not make the reset refuse."""
+        """vLLM's reset (every cache entry dropped; False, nothing changed, while a block is in
+        use), with blocks in use counted from the free queue rather than from the
+        (limit-dependent) free count, so that a limit does not make the reset refuse; then every
+        page that holds no block in use goes back to kvcached at once (release_free_pages): all
+        but the null block's. O(blocks)."""
         self._count_every_free_block = True
         self._bind_count()
         try:
-            return super().reset_prefix_cache()
+            reset = super().reset_prefix_cache()
         finally:
             self._count_every_free_block = False
             self._bind_count()
+        if reset:
+            self.release_free_pages()
+        return reset
+
+    # -- sleep mode: See Note [Sleep] ------------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        """Whether sleep() gave every page back and wake_up() has not run since."""
+        return self._asleep
+
+    def sleep(self) -> None:
+        """Give kvcached every block this pool holds, the null block too, so that no page of it
+        stays mapped, and hand out none until wake_up(): vLLM's sleep discards the KV cache. The
+        prefix cache is reset first, so no entry outlives the bytes it names. Idempotent.
+
+        Raises BlockStateError, with nothing changed, while a block is in use (vLLM's sleep
+        aborts or preempts the requests and resets the cache first). O(blocks)."""
+        if self._asleep:
+            return
+        in_use = self.num_gpu_blocks - 1 - self.free_block_queue.num_free_blocks
+        if in_use or not self.reset_prefix_cache():
+            raise BlockStateError(
+                f"{in_use} blocks of this pool are in use, so its KV cache cannot be released: put vLLM to sleep "
+                f"with LLM.sleep(level >= 1), which aborts (or preempts) the requests and resets the prefix cache "
+                f"first, or finish the requests before sleep()")
+        held = self._held
+        self._release([block for block in self.free_block_queue.iter_blocks_after(None) if held[block.block_id]])
+        manager = self.manager
+        manager.free([self.null_block.block_id])
+        held[self.null_block.block_id] = 0
+        self._asleep = True
+        resized = manager.resize(0)     # no page can be mapped: alloc returns None, available_size() is 0
+        assert resized, "no block is allocated, so no page can hold one"
+        manager.trim()                  # the reserved pool and cached handles go too
+        self._bind_count()
+
+    def wake_up(self) -> None:
+        """Undo sleep(): the pool spans its pages again and holds its null block (whose page is
+        mapped afresh); every other block is free and uncached. Idempotent.
+
+        Raises BlockStateError, staying asleep, if kvcached hands out another id than the null
+        block's first (its group was used by someone else meanwhile). O(1) but the mapping."""
+        if not self._asleep:
+            return
+        manager = self.manager
+        manager.resize(manager.num_pages * manager.page_bytes)
+        null_id = self.null_block.block_id
+        ids = manager.alloc(1)
+        if ids != [null_id]:
+            if ids:
+                manager.free(ids)
+            manager.resize(0)
+            raise BlockStateError(f"waking up, kvcached handed out block {ids} instead of the null block "
+                                  f"{null_id}: another user allocated from this pool's kvcached group while it slept")
+        self._held[null_id] = 1
+        self._asleep = False
+        self._bind_count()
 
     # -- allocation ------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -549,7 +619,9 @@ class ElasticBlockPool(BlockPool):
         free_ids = [block.block_id for block in self.free_block_queue.get_all_free_blocks()]
         free = set(free_ids)
         assert len(free) == len(free_ids) == self.free_block_queue.num_free_blocks, "free queue count or duplicates"
-        assert self.null_block.block_id not in free and self._held[self.null_block.block_id], "null block"
+        # Asleep, the manager holds nothing, the null block neither: See Note [Sleep].
+        assert self.null_block.block_id not in free and self._held[self.null_block.block_id] != self._asleep, \
+            "null block"
         num_held = num_unheld_free = 0
         for block in self.blocks:
             block_id = block.block_id
@@ -677,6 +749,25 @@ class ElasticBlockPool(BlockPool):
 # What is left is mostly kvcached's own calls: an available_size() per count, an alloc/free per
 # allocation, and the pages mapped and unmapped as they fill and empty. version.py pins the
 # minor whose internals these paths repeat, and vLLM's own scheduler tests run against this pool.
+#
+# Note [Sleep]
+# vLLM's sleep (LLM.sleep(level >= 1), the /sleep endpoint) discards the KV cache: it aborts or
+# preempts the requests, resets the prefix cache, and then the worker's sleep-mode backend
+# frees the memory; wake_up maps it again, and the first step starts from blocks that vLLM
+# writes (attention) or zeroes (Mamba state) before it reads them. kvcached's backend
+# (kvcached.integration.vllm.sleep, sleep_mode_backend="kvcached") calls sleep() on every live
+# pool of the process: the reset already gave back every page but the null block's, and
+# sleep() frees the remaining held blocks and the null block, then shrinks the manager to no
+# page (resize(0)) and trims its reserved pool, so nothing is mapped and no block can be
+# handed out: the free count is 0 while asleep, and vLLM's scheduler is paused anyway. This is
+# the one state in which the pool holds its null block without kvcached holding it for it
+# (check_invariants knows). wake_up() spans the pages again and allocates the null block, which
+# kvcached hands out first on a group with nothing allocated (lowest id of a fresh page). Every
+# page is mapped afresh as blocks are taken (trim released the physical handles: zeros on the
+# host backend, undefined bytes of a new allocation on a GPU), and no cache entry survives a
+# sleep (the reset drops them all), so no block is read as a hit of bytes from before it: vLLM
+# writes or zeroes each new block before its first read, as after start-up. Idle pools (the free queue
+# only) sleep; a pool with a block in use refuses, changing nothing, as vLLM's own reset does.
 #
 # Note [Pool geometry]
 # vLLM builds its BlockPool from num_gpu_blocks alone, in the scheduler, after the worker made

@@ -2,11 +2,13 @@
 
 ``allocate_kv_cache`` has the signature and result of ``vllm.v1.worker.utils.allocate_kv_cache``
 (one ``[B, H, N, C]`` view per layer, in the spec's dtype, laid out as vLLM's KVCacheLayout
-says inside a block), so vLLM's attention backends read them unchanged. See Note [One vLLM page
-per kvcached block].
+says inside a block), so vLLM's attention backends, and the Mamba layers of hybrid models, read
+them unchanged. See Note [One vLLM page per kvcached block] and Note [Mamba state pages].
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from vllm.config import get_current_vllm_config_or_none
@@ -17,6 +19,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     KVCacheTensor,
+    MambaSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     create_kv_cache_views,
@@ -24,12 +27,14 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import _DIM_B, _DIM_C, _DIM_H, _DIM_N, KVCacheLayout
 
 from ...checks import as_int
+from ...config import settings
 from ...errors import KVCachedConfigError
-from ...runtime import alloc_kv_cache
+from ...runtime import MAX_PAGE_BYTES, alloc_kv_cache, init_kvcached, initialised_page_bytes
 from .block_pool import PoolGeometry, set_pool_geometry
 from .tp import join_scheduler, publish_geometry, worker_world
 
-SUPPORTED_SPECS = (FullAttentionSpec, SlidingWindowSpec)      # MLAAttentionSpec is a FullAttentionSpec
+# MLAAttentionSpec is a FullAttentionSpec; MambaSpec: the state layers of hybrid models (Note [Mamba state pages])
+SUPPORTED_SPECS = (FullAttentionSpec, SlidingWindowSpec, MambaSpec)
 DEFAULT_LAYOUT = KVCacheLayout.LBHNC
 
 
@@ -43,18 +48,23 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLay
     (cache groups overlay each other). layout: a KVCacheLayout or its name (default: the
     config's, else LBHNC) that keeps a block's H, N and C inside the block.
 
+    kvcached's page must hold whole vLLM pages: initialised here (kvcached not initialised yet)
+    its page is the least multiple of KVCACHED_PAGE_SIZE_MB that does. See Note [Pages of whole
+    blocks].
+
     Raises KVCachedConfigError, with nothing allocated, for a spec other than full attention,
-    sliding window or MLA, host-resident tensors, KV pages of different sizes, a layout that
-    splits a block, or a vLLM engine whose executor runs the worker outside the scheduler's
-    process (pages are mapped by the process that allocates blocks, the scheduler's: vLLM's
-    uniproc executor). See Note [One process]. At tensor_parallel_size > 1 under vLLM's
+    sliding window, MLA or Mamba state (hybrid models), host-resident tensors, KV pages of
+    different sizes, kvcached already initialised with pages that vLLM's page does not divide, a
+    layout that splits a block, vLLM's sleep mode with a backend other than "kvcached" (Note [A
+    sleep-mode backend] in sleep), or a vLLM engine whose executor runs the worker outside the
+    scheduler's process (pages are mapped by the process that allocates blocks, the scheduler's:
+    vLLM's uniproc executor). See Note [One process]. At tensor_parallel_size > 1 under vLLM's
     multiprocess executor this worker instead joins, as rank TP rank + 1, the kvcached instance
     that the scheduler's pool leads; pipeline parallelism and other executors are refused (See
     Note [vLLM at TP > 1] in tp.py).
     """
     world = worker_world()          # (TP rank, TP size) at TP > 1: See Note [vLLM at TP > 1] in tp.py
-    if world is None:
-        _check_worker_in_scheduler_process()
+    _check_worker_in_scheduler_process(in_scheduler_process=world is None)
     group_id = as_int(group_id, "group_id", minimum=0)
     if not kv_cache_config.kv_cache_tensors:
         return {}
@@ -68,12 +78,11 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLay
             f"the KV cache specs have pages of {sorted(page_sizes)} bytes; kvcached gives one group one block size: "
             f"let vLLM unify the page size (hybrid models pad to one page size)")
     page_bytes = page_sizes.pop()
+    _init_pages_of_whole_blocks(page_bytes, device, world)
     # See Note [One vLLM page per kvcached block]: one buffer per distinct start byte.
     slots: dict[int, int] = {}
     for tensor, index, _, _ in placements:
         slots.setdefault(tensor.offset + index * tensor.layer_stride, len(slots))
-    if world is not None:
-        join_scheduler(device, *world)
     buffers = alloc_kv_cache((num_blocks, 1, page_bytes), 1, torch.int8, device, len(slots), attention_type="MLA",
                              group_id=group_id)
     kv_caches: dict[str, torch.Tensor] = {}
@@ -94,11 +103,48 @@ def allocate_kv_cache(kv_cache_config: KVCacheConfig, device, layout: KVCacheLay
     return kv_caches
 
 
-def _check_worker_in_scheduler_process() -> None:
-    """Refuse, while vLLM initialises a worker (its current config is set), an executor that runs
-    the worker in a process of its own. See Note [One process]."""
+def _init_pages_of_whole_blocks(block_bytes: int, device, world: tuple[int, int] | None = None) -> None:
+    """Initialise kvcached with pages that hold whole blocks of block_bytes (at TP > 1, `world`:
+    as a rank of the scheduler's instance), or check that its pages do. See Note [Pages of whole
+    blocks]."""
+    page_bytes = initialised_page_bytes()
+    if page_bytes is None:
+        base_bytes = settings().page_size_mb << 20
+        page_bytes = math.lcm(base_bytes, block_bytes)
+        if page_bytes > MAX_PAGE_BYTES:
+            raise KVCachedConfigError(
+                f"vLLM's KV pages of {block_bytes} bytes fill kvcached's pages ({base_bytes} bytes, "
+                f"KVCACHED_PAGE_SIZE_MB) whole only at {page_bytes} bytes, past kvcached's largest page of "
+                f"{MAX_PAGE_BYTES} bytes: choose a --block-size that makes vLLM's page divide {base_bytes} bytes")
+        if world is None:
+            init_kvcached(device=device, page_size_bytes=page_bytes)
+        else:
+            join_scheduler(device, *world, page_bytes)
+    elif world is not None:
+        join_scheduler(device, *world, page_bytes)      # refuses a runtime initialised otherwise
+    if page_bytes % block_bytes:
+        whole_mb = math.lcm(page_bytes, block_bytes, 1 << 20) >> 20      # a multiple of the page: of the granularity
+        raise KVCachedConfigError(
+            f"kvcached is initialised with pages of {page_bytes} bytes, which do not hold whole vLLM KV pages of "
+            f"{block_bytes} bytes (vLLM's block ids would straddle pages and some could never be handed out): "
+            f"set KVCACHED_PAGE_SIZE_MB={whole_mb} (or leave kvcached uninitialised before vLLM allocates its KV "
+            f"cache, which picks such a page)")
+
+
+def _check_worker_in_scheduler_process(in_scheduler_process: bool = True) -> None:
+    """Refuse, while vLLM initialises a worker (its current config is set), sleep mode with a
+    backend other than kvcached's, and (in_scheduler_process: TP = 1) an executor that runs the
+    worker in a process of its own. See Note [One process]."""
     vllm_config = get_current_vllm_config_or_none()
     if vllm_config is None:         # called by code that builds its own pool in this process
+        return
+    model_config = vllm_config.model_config
+    if model_config is not None and model_config.enable_sleep_mode and model_config.sleep_mode_backend != "kvcached":
+        raise KVCachedConfigError(
+            f"vLLM's sleep mode is on with sleep_mode_backend={model_config.sleep_mode_backend!r}, which cannot "
+            f"release kvcached's KV cache (it is not in vLLM's memory pool): use sleep_mode_backend='kvcached' "
+            f"(--sleep-mode-backend kvcached), registered by kvcached's plugin. See Note [A sleep-mode backend]")
+    if not in_scheduler_process:
         return
     backend = vllm_config.parallel_config.distributed_executor_backend
     executor = Executor.get_class(vllm_config)
@@ -150,10 +196,11 @@ def _layer_spec(kv_cache_config: KVCacheConfig, tensor: KVCacheTensor, layer_nam
     spec = kv_cache_config.kv_cache_groups[_group_index(kv_cache_config, layer_name)].kv_cache_spec
     if isinstance(spec, UniformTypeKVCacheSpecs):
         spec = spec.kv_cache_specs[layer_name]
-    if not isinstance(spec, SUPPORTED_SPECS):
+    if not isinstance(spec, SUPPORTED_SPECS) or not spec.has_layer_views:
         raise KVCachedConfigError(
             f"layer {layer_name!r} has a {type(spec).__name__}; kvcached's vLLM integration backs full attention, "
-            f"sliding window and MLA layers (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec)")
+            f"sliding window, MLA and Mamba state layers (FullAttentionSpec, SlidingWindowSpec, MLAAttentionSpec, "
+            f"MambaSpec): run this model without kvcached (unset KVCACHED_VLLM)")
     return spec
 
 
@@ -168,6 +215,39 @@ def _layer_spec(kv_cache_config: KVCacheConfig, tensor: KVCacheTensor, layer_nam
 # its buffer with kvcached's block stride, so padding, kernel-block splitting and the layout's
 # order inside a block are vLLM's. A layout that puts H, N or C outside B (LHBNC, BHLNC) spreads
 # one block over the whole buffer: no page could back a block, so it is refused.
+#
+# Note [Mamba state pages]
+# A hybrid model (Qwen3-Next, Granite 4.0-H, Jamba, Falcon-H1) has attention groups and Mamba
+# groups (MambaSpec: a recurrent state per request instead of per-token KV). vLLM 0.33 makes
+# their pages one size before it places them: the platform grows the attention block until its
+# page is at least the Mamba state (Platform._align_hybrid_block_size) and pads the Mamba page to
+# it (MambaSpec.page_size_padded), so a block id of the shared pool is one page of any group and
+# the groups overlay one buffer, layer i of each group at the same byte. A Mamba layer's view is
+# the same [B, H, N, C] int8 view as any other (C = the packed state bytes, the padding beyond
+# them in the block stride), which MambaBase.bind_kv_cache cuts into its conv and SSM state
+# tensors by byte offsets within C. So nothing here is specific to Mamba: the page size is one,
+# the overlay is the start bytes', and create_kv_cache_views handles the padding; kvcached's
+# pages back blocks of the padded page size. vLLM zeroes the blocks it hands to a Mamba group
+# (KVCacheConfig.needs_kv_cache_zeroing, through the attention layers' views, which overlay the
+# Mamba ones) because a state is read before it is written: that works on these views as on
+# vLLM's slab, as each address it computes is a view's own. Specs whose layers take the raw
+# buffer instead of a view (has_layer_views False: HiSparse) stay refused. The test builds
+# vLLM's own config for hybrid model configs and compares every view and byte with vLLM's.
+#
+# Note [Pages of whole blocks]
+# vLLM numbers its blocks 0..num_blocks-1 and hands out every one of them; kvcached hands out
+# only the blocks lying wholly inside a page (kvcached.layout: a block that straddles two pages is
+# never handed out). Plain attention pages are powers of two and divide kvcached's 2 MiB page,
+# but the unified page of a hybrid model is not: the attention block grows to cover the Mamba
+# state in steps of the kernel's block size (Granite-4.0-H-like: 96 tokens x 128 bytes = 12 KiB;
+# Qwen3-Next: hundreds of tokens, pages of an odd multiple of 64 KiB), and neither is an MLA page
+# of 576-byte latents. With a 2 MiB page and 12 KiB blocks every 171st id straddles, and vLLM's
+# pool could never be given all its ids. Padding each block to a power of two would waste up to
+# half the cache; a page of lcm(KVCACHED_PAGE_SIZE_MB, vLLM's page) wastes nothing and keeps block
+# ids dense, at the price of a coarser unit of elasticity (6 MiB in the example, still one
+# mapping per page id). The page size is one per process, fixed by init_kvcached, so it is chosen
+# here when vLLM's allocation is the first use of kvcached; a process that initialised kvcached
+# with other pages gets the exact KVCACHED_PAGE_SIZE_MB to use.
 #
 # Note [One process]
 # kvcached maps a page in the process whose KVCacheManager allocates a block on it: vLLM's

@@ -48,7 +48,8 @@ def register() -> None:
 
 def enable(*, worker: bool = True) -> None:
     """Make vLLM build its scheduler's BlockPool as an ElasticBlockPool and, with worker=True,
-    its KV cache tensors with kvcached (allocate_kv_cache). Idempotent.
+    its KV cache tensors with kvcached (allocate_kv_cache) and register the sleep-mode backend
+    "kvcached" (kvcached.integration.vllm.sleep). Idempotent.
 
     Raises KVCachedConfigError, changing nothing, for an unsupported vLLM version or a worker
     module that cannot be imported."""
@@ -60,6 +61,10 @@ def enable(*, worker: bool = True) -> None:
         from .kv_tensors import allocate_kv_cache
 
         hooks += [(module, name, allocate_kv_cache) for module, name in WORKER_HOOKS]
+        try:
+            from .sleep import register_sleep_backend
+        except ImportError as exc:
+            raise KVCachedConfigError(f"kvcached cannot hook into vLLM's sleep mode: {exc}") from exc
     with _lock:
         targets = [(_import(module), module, name, replacement) for module, name, replacement in hooks]
         for target, module, name, replacement in targets:
@@ -68,6 +73,8 @@ def enable(*, worker: bool = True) -> None:
                 continue
             _saved.setdefault((module, name), current)
             setattr(target, name, replacement)
+        if worker:
+            register_sleep_backend()    # stays registered: See Note [Hooks]
     logger.info("kvcached enabled in vLLM: %s", ", ".join(f"{m}.{n}" for m, n, _ in hooks))
 
 
@@ -101,7 +108,10 @@ def _import(module: str):
 # call `allocate_kv_cache(...)` from their modules when the KV cache is initialised. Rebinding
 # those names is the narrowest switch vLLM 0.33 offers (no configuration option selects a pool
 # class or a KV allocator): vllm.v1.core.block_pool.BlockPool itself stays vLLM's class, so
-# anything else that subclasses or builds it is untouched. The names are rebound only by
+# anything else that subclasses or builds it is untouched. The sleep-mode backend "kvcached" is
+# registered in vLLM's SleepModeBackendFactory (Note [A sleep-mode backend]); vLLM has no call
+# that unregisters one, so disable() leaves it there, used only by an engine that names it. The
+# names are rebound only by
 # enable(), which the plugin entry point calls (KVCACHED_VLLM=1) or the user calls before building
 # the engine; the version check comes first because the pool depends on that minor's internals.
 #

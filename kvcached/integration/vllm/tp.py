@@ -20,7 +20,7 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from ...config import settings
 from ...errors import KVCachedConfigError
-from ...runtime import alloc_kv_cache, init_kvcached, initialized_as, runtime
+from ...runtime import alloc_kv_cache, init_kvcached, initialised_as, runtime
 from ...tp import named
 
 CARD_VERSION = 1
@@ -59,15 +59,22 @@ def worker_world() -> tuple[int, int] | None:
     return tp_rank, tp_size
 
 
-def join_scheduler(device, tp_rank: int, tp_size: int) -> None:
+def join_scheduler(device, tp_rank: int, tp_size: int, page_size_bytes: int) -> None:
     """Make this worker rank tp_rank + 1 of the instance its parent (the engine core) will lead,
-    on `device`. Idempotent once joined.
+    on `device`, with pages of `page_size_bytes`. Idempotent once joined.
 
     Raises KVCachedConfigError if kvcached is already initialised otherwise in this process."""
-    if initialized_as() == (tp_rank + 1, tp_size + 1):
+    position = initialised_as()
+    if position == (tp_rank + 1, tp_size + 1):
         return
+    if position is not None:
+        raise KVCachedConfigError(
+            f"kvcached is initialised in this vLLM worker as rank {position[0]} of {position[1]}, but at "
+            f"tensor_parallel_size={tp_size} TP rank {tp_rank} must be rank {tp_rank + 1} of {tp_size + 1} (the "
+            f"scheduler leads): leave kvcached uninitialised in vLLM's workers, allocate_kv_cache initialises it")
     link = named.join(named.parent_identity(), tp_rank + 1, tp_size + 1, settings().tp_timeout_s)
-    init_kvcached(tp_rank=tp_rank + 1, world_size=tp_size + 1, device=device, tp_link=link)
+    init_kvcached(tp_rank=tp_rank + 1, world_size=tp_size + 1, device=device, page_size_bytes=page_size_bytes,
+                  tp_link=link)
 
 
 def publish_geometry(tp_rank: int, tp_size: int, page_bytes: int, num_blocks: int, num_buffers: int,
