@@ -20,7 +20,7 @@ from vllm.v1.executor.multiproc_executor import MultiprocExecutor
 
 from ...config import settings
 from ...errors import KVCachedConfigError
-from ...runtime import alloc_kv_cache, init_kvcached, initialised_as, runtime
+from ...runtime import alloc_kv_cache, init_kvcached, initialised_as, initialised_page_bytes
 from ...tp import named
 
 CARD_VERSION = 1
@@ -84,7 +84,7 @@ def publish_geometry(tp_rank: int, tp_size: int, page_bytes: int, num_blocks: in
     if tp_rank:
         return
     named.publish_card(named.parent_identity(), {
-        "version": CARD_VERSION, "world_size": tp_size + 1, "page_size_bytes": runtime().page_bytes,
+        "version": CARD_VERSION, "world_size": tp_size + 1, "page_size_bytes": initialised_page_bytes(),
         "block_bytes": page_bytes, "num_blocks": num_blocks, "num_buffers": num_buffers, "group_id": group_id})
 
 
