@@ -17,10 +17,12 @@ import pytest
 
 from _vllm_tp_procs import REPLY, WAIT_S
 
-from kvcached.errors import KVCachedError
+from kvcached.errors import KVCachedConfigError, KVCachedError
+from kvcached.integration.vllm import ElasticBlockPool
+from kvcached.integration.vllm.tp import join_scheduler
 from kvcached.shm.budget import delete_budget
-
-pytestmark = pytest.mark.slow       # three processes that import vLLM: about a minute each test
+from kvcached.shm.files import own_identity
+from kvcached.tp import named
 
 PROCS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_vllm_tp_procs.py")
 REPO = os.path.dirname(os.path.dirname(PROCS))
@@ -47,6 +49,7 @@ def run_scheduler(scenario: str, tmp_path) -> dict:
     return json.loads(lines[-1][len(REPLY):])
 
 
+@pytest.mark.slow                   # three processes that import vLLM: about a minute
 def test_the_schedulers_pool_leads_the_tp_workers(tmp_path):
     """Blocks handed out by vLLM's KVCacheManager are backed on every worker (each writes and
     reads the rows), the ranks map the same pages as the scheduler's ledger, frees unmap them
@@ -65,6 +68,7 @@ def test_the_schedulers_pool_leads_the_tp_workers(tmp_path):
     assert result["worker_codes"] == [0] * TP
 
 
+@pytest.mark.slow
 def test_a_killed_worker_fails_the_schedulers_next_allocation(tmp_path):
     """A worker SIGKILLed mid-run: the scheduler's next allocation that needs a page raises
     KVCachedTPError naming the rank, within a fraction of a second rather than hanging; later
@@ -76,3 +80,21 @@ def test_a_killed_worker_fails_the_schedulers_next_allocation(tmp_path):
     assert result["elapsed_s"] < 5.0, result
     later = result["later"]
     assert later == [0, None] or "broken" in later, later
+
+
+def test_a_worker_with_kvcached_initialised_otherwise_is_refused(vllm_kv):
+    """kvcached already initialised in a TP worker as a single rank: refused naming the rank it
+    must be, before anything joins."""
+    with pytest.raises(KVCachedConfigError, match="as rank 0 of 1, but at tensor_parallel_size=2 TP rank 1 must be "
+                                                  "rank 2 of 3"):
+        join_scheduler("cpu", 1, 2, 1 << 20)
+    assert not os.path.exists(named.segment_path(named.parent_identity()))
+
+
+def test_a_card_of_another_version_is_refused(vllm_kv):
+    named.publish_card(own_identity(), {"version": 99})
+    try:
+        with pytest.raises(KVCachedConfigError, match="card of version 99, this kvcached reads version 1"):
+            ElasticBlockPool(8, enable_caching=False, hash_block_size=4)
+    finally:
+        named.remove(own_identity())
