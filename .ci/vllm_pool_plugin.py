@@ -72,9 +72,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # A run that never built our pool proves nothing about it.
+    # A run that never built our pool proves nothing about it. Its own exit status: some of
+    # vLLM's tests fail on a CPU anyway (TESTS_FAILED), and the CI script accepts that one.
     if EXPECTED is not None and _built == 0 and session.testscollected:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
 
 
 # Note [Swapping the pool into vLLM's tests]

@@ -3,7 +3,7 @@
     python benchmarks/bench_vllm_scheduler.py [--steps N] [--rounds R] [--num-blocks B] [--no-lockstep]
                                               [--json PATH] [--quick]
 
-Needs vLLM 0.33 (the venv that .ci/vllm builds). No model runs: after each ``schedule()`` the
+Needs vLLM 0.32 or 0.33 (a venv that .ci/vllm_env.sh builds). No model runs: after each ``schedule()`` the
 benchmark hands ``update_from_output()`` a ModelRunnerOutput with one sampled token for every
 request whose prefill is complete, as a model runner would, so requests prefill (chunked), decode
 and finish. The request stream is seeded and identical for both pools: arrivals rise, peak and

@@ -159,9 +159,10 @@ SETTINGS: tuple[Setting, ...] = (
 
 # KVCACHED_* variables of this project's own scripts and CI, read by them and not by kvcached:
 # no warning for these. .ci/vllm_pool_plugin.py: which pool vLLM's tests run and its page size;
-# scripts/gpu_check.sh: the commit its report names; .ci/run_vllm: where vLLM's venv goes.
+# scripts/gpu_check.sh: the commit its report names; .ci/vllm_env.sh: where vLLM's venvs go and
+# whether a finished one is kept.
 NOT_SETTINGS = frozenset({"KVCACHED_VLLM_POOL", "KVCACHED_VLLM_PAGE_BYTES", "KVCACHED_COMMIT",
-                          "KVCACHED_CI_VLLM_DIR"})
+                          "KVCACHED_CI_VLLM_DIR", "KVCACHED_CI_VLLM_REUSE"})
 _NAMES = tuple(s.name for s in SETTINGS)
 
 

@@ -48,9 +48,9 @@ pool_ops = st.lists(st.one_of(
 @given(ops=pool_ops)
 def test_free_count_stays_exact_through_every_change_of_the_pool(vllm_kv, ops):
     """Through blocks taken, freed, cached, touched as hits (free ones included: claimed or
-    borrowed), unpinned and limits moved, the count vLLM calls equals the general form after
-    every step (check_invariants; See Note [Free count binding]), all of it can be taken, and
-    exactly that much while no block is borrowed (Note [Claiming a block])."""
+    borrowed), unpinned and limits moved, the pool's invariants hold after every step
+    (check_invariants), all of the free count can be taken, and exactly that much while no block
+    is borrowed (Note [Claiming a block])."""
     set_pool_geometry(SMALL_BLOCKS)
     pool = ElasticBlockPool(8 * PER_PAGE, enable_caching=True, hash_block_size=TOKENS_PER_BLOCK)
     in_use: list = []           # one entry per reference this test holds

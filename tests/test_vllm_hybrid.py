@@ -23,10 +23,23 @@ from vllm.model_executor.models import ModelRegistry
 from vllm.platforms import current_platform
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
-from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache as vllm_allocate_kv_cache
+
+try:                    # vLLM 0.33 plans the groups apart
+    from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
+
+    def kv_cache_config_of(vllm_config, specs) -> KVCacheConfig:
+        (config,) = get_kv_cache_configs(vllm_config, [specs], [1 << 30],
+                                         get_global_kv_cache_groups(vllm_config, [specs]))
+        return config
+except ImportError:     # vLLM 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+
+    def kv_cache_config_of(vllm_config, specs) -> KVCacheConfig:
+        (config,) = get_kv_cache_configs(vllm_config, [specs], [1 << 30])
+        return config
 
 from kvcached.errors import KVCachedConfigError
 from kvcached.integration.vllm import ElasticBlockPool, allocate_kv_cache, pool_geometry, set_pool_geometry
@@ -85,8 +98,7 @@ def hybrid_kv_cache_config(hf_config, model_dir, layout: KVCacheLayout) -> tuple
             specs[f"model.layers.{index}.mamba"] = mamba
     assert {type(spec) for spec in specs.values()} == {FullAttentionSpec, MambaSpec}
     resolve_kv_cache_layout(vllm_config, [[layout.name]], specs.values())
-    groups = get_global_kv_cache_groups(vllm_config, [specs])
-    (config,) = get_kv_cache_configs(vllm_config, [specs], [1 << 30], groups)
+    config = kv_cache_config_of(vllm_config, specs)
     assert config.num_blocks == NUM_BLOCKS and config.has_mamba_layers
     return config, specs
 

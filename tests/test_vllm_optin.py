@@ -84,7 +84,7 @@ def _probe(code: str, *, switch: str | None, vllm: str, paths: tuple[str, ...] =
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _other_release(tmp_path, version: str = "0.32.0") -> str:
+def _other_release(tmp_path, version: str = "0.31.0") -> str:
     """A directory holding the distribution record of vllm ``version``, as pip writes it."""
     dist = tmp_path / f"vllm-{version}.dist-info"
     dist.mkdir()
@@ -147,7 +147,7 @@ def test_switched_on_without_vllm_register_warns_once_and_returns():
     assert not result["enabled"] and not result["vllm_imported"]
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.34.1"])
+@pytest.mark.parametrize("version", ["0.31.0", "0.34.1"])
 def test_switched_on_with_another_vllm_release_register_warns_once_and_patches_nothing(tmp_path, version):
     code = "kv.register()\n"
     if _supported_vllm_installed():         # the real vLLM imports beside the record: look at it
@@ -200,7 +200,7 @@ def test_enable_raises_with_the_readmes_install_line(tmp_path, vllm):
         assert "vLLM is not installed" in result["refused"], result
     else:
         result = _probe(code, switch="1", vllm="installed", paths=(_other_release(tmp_path),))
-        assert "vllm 0.32.0 is installed" in result["refused"], result
+        assert "vllm 0.31.0 is installed" in result["refused"], result
     assert f"`{INSTALL_COMMAND}` next to your own torch" in result["refused"], result
     assert not result["enabled"] and _warnings(result) == []
     with open(os.path.join(REPO, "README.md")) as f:

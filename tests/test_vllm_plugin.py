@@ -72,23 +72,52 @@ def test_enable_with_the_worker_hook_swaps_allocate_kv_cache(vllm_kv):
     assert [runner.allocate_kv_cache for runner in runners] == stock
 
 
-@pytest.mark.parametrize("version", ["0.32.9", "0.34.0", "1.33.0", "0.3.3", "nightly", ""])
+def test_enable_logs_the_vllm_release_it_found(vllm_kv, caplog):
+    import vllm
+
+    with caplog.at_level("INFO", logger="kvcached"):
+        enable(worker=False)
+    disable()
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvcached" and "enabled" in r.getMessage()]
+    assert line.startswith(f"kvcached enabled in vLLM {vllm.__version__}: "), line
+
+
+def test_the_pool_forwards_vllms_own_constructor_arguments(vllm_kv):
+    """vLLM's BlockPool takes different keyword arguments per release (0.33 added
+    num_hash_lookahead_tokens): the pool takes whatever the installed one takes, and no other."""
+    import inspect
+
+    parameters = set(inspect.signature(STOCK_BLOCK_POOL.__init__).parameters) - {"self"}
+    pool = ElasticBlockPool(**{"num_gpu_blocks": 16, "enable_caching": True, "hash_block_size": 16})
+    try:
+        assert pool.enable_caching and pool.num_gpu_blocks == 16
+        with pytest.raises(TypeError, match="no_such_argument"):
+            ElasticBlockPool(16, True, 16, no_such_argument=1)
+        if "num_hash_lookahead_tokens" in parameters:
+            lookahead = ElasticBlockPool(16, True, 16, num_hash_lookahead_tokens=2)
+            assert lookahead.num_hash_lookahead_tokens == 2
+            lookahead.close()
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.34.0", "1.33.0", "0.3.3", "0.3", "nightly", ""])
 def test_version_check_names_the_version_and_the_supported_range(version):
     with pytest.raises(KVCachedConfigError) as info:
         check_vllm_version(version)
     assert repr(version)[1:-1] in str(info.value) and SUPPORTED_VLLM in str(info.value)
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.33.7", "0.33.1.dev4+g1234abc", "0.33.0rc1"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.4", "0.33.0", "0.33.7", "0.33.1.dev4+g1234abc", "0.33.0rc1"])
 def test_version_check_accepts_the_supported_minor(version):
     assert check_vllm_version(version) == version
 
 
 def test_enable_refuses_another_vllm_release_and_changes_nothing(tmp_path):
-    # A real distribution record of vllm 0.32.0 first on sys.path: what metadata then reports.
-    dist = tmp_path / "vllm-0.32.0.dist-info"
+    # A real distribution record of vllm 0.31.0 first on sys.path: what metadata then reports.
+    dist = tmp_path / "vllm-0.31.0.dist-info"
     dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.31.0\n")
     result = _run_python(f"""
         import sys; sys.path.insert(0, {str(tmp_path)!r})
         from kvcached.errors import KVCachedConfigError, KVCachedError
@@ -98,7 +127,7 @@ def test_enable_refuses_another_vllm_release_and_changes_nothing(tmp_path):
         except KVCachedConfigError as exc:
             print("refused:", exc)
         else:
-            raise SystemExit("enabled on vllm 0.32.0")
+            raise SystemExit("enabled on vllm 0.31.0")
         import vllm.v1.core.block_pool as bp, vllm.v1.core.kv_cache_coordinator as kc
         assert kc.BlockPool is bp.BlockPool and not kv.is_enabled()
         try:
@@ -107,7 +136,7 @@ def test_enable_refuses_another_vllm_release_and_changes_nothing(tmp_path):
             print("pool refused")
     """)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("refused: vllm 0.32.0 is installed") == 1, result.stdout
+    assert result.stdout.count("refused: vllm 0.31.0 is installed") == 1, result.stdout
     assert SUPPORTED_VLLM in result.stdout and "pool refused" in result.stdout
 
 

@@ -1,4 +1,4 @@
-"""kvcached inside vLLM (0.33.x): an elastic BlockPool for the scheduler, KV tensors from
+"""kvcached inside vLLM (0.32.x and 0.33.x): an elastic BlockPool for the scheduler, KV tensors from
 ``alloc_kv_cache`` for the worker, and the plugin switch.
 
 - ``enable(worker=True)`` / ``disable()`` / ``is_enabled()``; ``register`` is the
@@ -13,7 +13,7 @@
 - ``KVCachedSleepBackend``: vLLM's sleep-mode backend "kvcached" (``LLM(...,
   enable_sleep_mode=True, sleep_mode_backend="kvcached")``); ``release_kv_cache()`` /
   ``restore_kv_cache()`` put this process's pools to sleep and wake them.
-- ``check_vllm_version()``, ``SUPPORTED_VLLM``.
+- ``check_vllm_version()``, ``SUPPORTED_VLLM``, ``SUPPORTED_RELEASES``.
 
 Importing this package imports no vLLM module and changes nothing; the names that need vLLM
 are loaded on first use, after the version check.
@@ -22,7 +22,7 @@ are loaded on first use, after the version check.
 from importlib import import_module
 
 from .plugin import disable, enable, is_enabled, register
-from .version import SUPPORTED_VLLM, check_vllm_version
+from .version import SUPPORTED_RELEASES, SUPPORTED_VLLM, check_vllm_version
 
 _NEEDS_VLLM = {
     "ElasticBlockPool": "block_pool",
@@ -38,6 +38,7 @@ _NEEDS_VLLM = {
 
 __all__ = [
     "STANDALONE_GEOMETRY",
+    "SUPPORTED_RELEASES",
     "SUPPORTED_VLLM",
     "ElasticBlockPool",
     "KVCachedSleepBackend",

@@ -16,10 +16,9 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from vllm.distributed.kv_events import MEDIUM_GPU
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -144,6 +143,10 @@ class ElasticBlockPool(BlockPool):
     """A vLLM BlockPool whose blocks are held from a kvcached KVCacheManager only while they are
     in use or cached. Same constructor as vLLM's BlockPool; ``manager`` takes limits.
 
+    It extends vLLM's pool rather than copying it: every public method that moves blocks
+    (get_new_blocks, free_blocks, touch, unpin_blocks) calls vLLM's own and adds kvcached's part
+    around it, so vLLM's free queue, prefix cache, events and metrics are its own code of the
+    installed release. See Note [Extending vLLM's pool].
     Within one kvcached page, ids are handed out in exactly the order of vLLM's free queue;
     across pages kvcached fills the fullest mapped page first, so that pages empty and unmap.
     Not thread-safe, like vLLM's pool (the scheduler calls it from one thread).
@@ -153,12 +156,9 @@ class ElasticBlockPool(BlockPool):
     # memory follows the load; True: cached blocks keep their pages (vLLM's cache, whole).
     keep_idle_cached_pages = False
 
-    def __init__(self, num_gpu_blocks: int, enable_caching: bool, hash_block_size: int,
-                 enable_kv_cache_events: bool = False, metrics_collector=None, num_hash_lookahead_tokens: int = 0,
-                 medium: str = MEDIUM_GPU):
-        super().__init__(num_gpu_blocks, enable_caching, hash_block_size, enable_kv_cache_events=enable_kv_cache_events,
-                         metrics_collector=metrics_collector, num_hash_lookahead_tokens=num_hash_lookahead_tokens,
-                         medium=medium)
+    def __init__(self, num_gpu_blocks: int, *args, **kwargs):
+        # vLLM's own arguments, passed through: they differ between the supported releases.
+        super().__init__(num_gpu_blocks, *args, **kwargs)
         manager, standalone_group = _manager_for(num_gpu_blocks)
         self.manager = manager
         # Bound once: a closed manager's bound methods raise too (Note [Manager life cycle]).
@@ -179,7 +179,6 @@ class ElasticBlockPool(BlockPool):
         self._next_limit_check = 0.0
         self._finalizer = weakref.finalize(self, _close_manager, manager, num_gpu_blocks, standalone_group)
         self._asleep = False            # See Note [Sleep]
-        self._bind_count()
         with _lock:
             _live_pools.add(self)
 
@@ -191,34 +190,19 @@ class ElasticBlockPool(BlockPool):
     def get_num_free_blocks(self) -> int:
         """Free blocks that get_new_blocks can hand out now: the free ones this pool holds (cached
         ones included) plus what kvcached can allocate under its limit and budget.
-        See Note [Honest free count]. O(log pages): one available_size() while some free block
-        is not held (counters only, no driver call), else one attribute read as vLLM's pool.
-
-        The general form; while no block is borrowed, the instance carries an equal and
-        shorter one (See Note [Free count binding])."""
+        See Note [Honest free count]. O(log pages): one available_size() (counters only, no
+        driver call) while some free block is not held, else one attribute read as vLLM's pool."""
         num_free = self.free_block_queue.num_free_blocks
         unheld = self._num_unheld_free
         if not unheld or self._count_every_free_block:
             return num_free
+        if not self._borrowed:
+            # kvcached's free ids are exactly the free blocks this pool does not hold, so
+            # available_size() never exceeds their number.
+            return num_free - unheld + self._available_size()
         # Ids of borrowed blocks are free in kvcached but kept for their borrowers.
         share = self._available_size() - len(self._borrowed)
         return num_free - unheld + max(0, min(share, unheld))
-
-    def _count_with_held_free(self) -> int:
-        """get_num_free_blocks while no block is borrowed: kvcached's free ids are then exactly
-        the free blocks this pool does not hold, so available_size() never exceeds their number."""
-        return self.free_block_queue.num_free_blocks - self._num_unheld_free + self._available_size()
-
-    def _bind_count(self) -> None:
-        """Bind get_num_free_blocks to its shortest exact form for the pool's state now: See Note
-        [Free count binding]. Every method that makes held free blocks appear or all go, or
-        changes the borrowed blocks, calls it before returning."""
-        if self._borrowed or self._count_every_free_block:
-            self.__dict__.pop("get_num_free_blocks", None)      # the general form, the class's
-        elif self.free_block_queue.num_free_blocks == self._num_unheld_free:
-            self.get_num_free_blocks = self._available_size     # type: ignore[method-assign]
-        else:
-            self.get_num_free_blocks = self._count_with_held_free   # type: ignore[method-assign]
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset (every cache entry dropped; False, nothing changed, while a block is in
@@ -227,12 +211,10 @@ class ElasticBlockPool(BlockPool):
         page that holds no block in use goes back to kvcached at once (release_free_pages): all
         but the null block's. O(blocks)."""
         self._count_every_free_block = True
-        self._bind_count()
         try:
             reset = super().reset_prefix_cache()
         finally:
             self._count_every_free_block = False
-            self._bind_count()
         if reset:
             self.release_free_pages()
         return reset
@@ -267,7 +249,6 @@ class ElasticBlockPool(BlockPool):
         resized = manager.resize(0)     # no page can be mapped: alloc returns None, available_size() is 0
         assert resized, "no block is allocated, so no page can hold one"
         manager.trim()                  # the reserved pool and cached handles go too
-        self._bind_count()
 
     def wake_up(self) -> None:
         """Undo sleep(): the pool spans its pages again and holds its null block (whose page is
@@ -289,65 +270,63 @@ class ElasticBlockPool(BlockPool):
                                   f"{null_id}: another user allocated from this pool's kvcached group while it slept")
         self._held[null_id] = 1
         self._asleep = False
-        self._bind_count()
 
     # -- allocation ------------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """num_blocks blocks with ref_cnt 1: first fresh ones from kvcached, then free blocks this
-        pool holds, in free-queue order (evicting their prefix-cache entries).
+        pool holds, in free-queue order (vLLM evicts their prefix-cache entries).
 
-        Raises ValueError, as vLLM's pool does, when num_blocks > get_num_free_blocks(); nothing
-        is changed then. O(num_blocks) with one alloc and no count when kvcached has them all
-        (that it hands them out proves the count covers them), else a count first, and a walk of
-        the free queue for the held blocks."""
-        if num_blocks <= self._num_unheld_free and not self._borrowed and not self.metrics_collector:
+        kvcached picks the blocks; they are put at the front of vLLM's free queue and vLLM's own
+        get_new_blocks takes them (See Note [Extending vLLM's pool]). Raises ValueError, as
+        vLLM's pool does, when num_blocks > get_num_free_blocks(); nothing is changed then.
+        O(num_blocks) with one alloc and one count when kvcached has them all, else a count
+        first, and a walk of the free queue for the held blocks."""
+        if num_blocks <= self._num_unheld_free and not self._borrowed:
             ids = self._alloc(num_blocks)
             if ids is not None:
-                blocks = self._take_fresh(ids)
-                if self._reuse_watchers:
-                    self._notify_reuse(blocks)
-                return blocks
+                self._num_unheld_free -= num_blocks
+                held, all_blocks = self._held, self.blocks
+                for block_id in ids:
+                    held[block_id] = 1
+                return self._hand_out([all_blocks[block_id] for block_id in ids])
         return self._get_new_blocks_counted(num_blocks)
 
     def _get_new_blocks_counted(self, num_blocks: int) -> list[KVCacheBlock]:
         """get_new_blocks when kvcached alone does not cover it (its limit or budget, too few
-        free blocks not held, borrowed blocks) or a metrics collector listens."""
+        free blocks not held, borrowed blocks)."""
         if num_blocks > self.get_num_free_blocks():
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         unheld = self._num_unheld_free
-        blocks = self._take_unheld(min(num_blocks, unheld)) if unheld else []
-        num_fresh = len(blocks)         # fresh from kvcached: never cached (Note [Held blocks])
-        evict = self._maybe_evict_cached_block if self.enable_caching else None
-        if num_fresh < num_blocks:
-            held = self._held_free_blocks(num_blocks - num_fresh)
-            if held is None:            # kvcached's share shrank since the count: See Note [Honest free count]
-                self._give_back(blocks)
-                raise ValueError(f"Cannot get {num_blocks} free blocks from the pool (its memory limit or "
-                                 f"budget shrank meanwhile)")
-            queue, in_use, per_page = self.free_block_queue, self._in_use_by_page, self._blocks_per_page
-            for block in held:
-                queue.remove(block)
-                if evict is not None:
-                    evict(block)
-                assert block.ref_cnt == 0, f"block {block.block_id} handed out with ref_cnt {block.ref_cnt}"
-                block.ref_cnt = 1
-                in_use[block.block_id // per_page] += 1
-            blocks += held
-            self._bind_count()
-        if self._reuse_watchers:
-            self._notify_reuse(blocks)
-        metrics = self.metrics_collector
-        if metrics:
-            for index, block in enumerate(blocks):
-                if evict is not None and index < num_fresh:     # vLLM's pool reports every block evicted
-                    evict(block)
-                metrics.on_block_allocated(block)
-        return blocks
+        fresh = self._take_unheld(min(num_blocks, unheld)) if unheld else []
+        if len(fresh) == num_blocks:
+            return self._hand_out(fresh)
+        held = self._held_free_blocks(num_blocks - len(fresh), fresh)
+        if held is None:                # kvcached's share shrank since the count: See Note [Honest free count]
+            self._give_back(fresh)
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool (its memory limit or "
+                             f"budget shrank meanwhile)")
+        return self._hand_out(fresh + held)
+
+    def _hand_out(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """vLLM's get_new_blocks over exactly these free blocks, which this pool holds: they go to
+        the front of vLLM's free queue, in this order, and vLLM takes them from there."""
+        queue = self.free_block_queue
+        remove = queue.remove
+        for block in blocks:
+            remove(block)
+        queue.prepend_n(blocks)
+        taken = super().get_new_blocks(len(blocks))
+        in_use, per_page = self._in_use_by_page, self._blocks_per_page
+        for block in taken:
+            in_use[block.block_id // per_page] += 1
+        return taken
 
     def _take_unheld(self, n: int) -> list[KVCacheBlock]:
-        """Up to n blocks allocated from kvcached, taken out of the free queue with ref_cnt 1
-        (fewer, possibly none, when its limit or budget stops it)."""
+        """Up to n free blocks allocated from kvcached, still in the free queue (fewer, possibly
+        none, when its limit or budget stops it). A borrowed id among them is now held for its
+        borrower and not returned (Note [Claiming a block])."""
         blocks: list[KVCacheBlock] = []
+        held, all_blocks, borrowed = self._held, self.blocks, self._borrowed
         ids = self._alloc(n)
         while True:
             if ids is None:             # short of n: as many as kvcached can give now
@@ -355,83 +334,72 @@ class ElasticBlockPool(BlockPool):
                 ids = self._alloc(want) if want > 0 else None
                 if ids is None:
                     return blocks
-            blocks += self._take_fresh(ids)
+            for block_id in ids:
+                held[block_id] = 1
+                if block_id in borrowed:
+                    borrowed.discard(block_id)
+                else:
+                    blocks.append(all_blocks[block_id])
+                    self._num_unheld_free -= 1
             if len(blocks) >= n:
                 return blocks
             ids = self._alloc(n - len(blocks))
 
-    def _take_fresh(self, ids: list[int]) -> list[KVCacheBlock]:
-        """The blocks of ids, which kvcached has just allocated, taken out of vLLM's free queue
-        (its remove(), inlined: See Note [Inlined vLLM paths]) with ref_cnt 1. A borrowed id
-        among them is now held for its borrower and not handed out (Note [Claiming a block])."""
-        held, all_blocks, borrowed = self._held, self.blocks, self._borrowed
-        in_use, per_page = self._in_use_by_page, self._blocks_per_page
-        blocks: list[KVCacheBlock] = []
-        for block_id in ids:
-            held[block_id] = 1
-            if borrowed and block_id in borrowed:
-                borrowed.discard(block_id)
-                continue
-            block = all_blocks[block_id]
-            in_use[block_id // per_page] += 1
-            prev_block, next_block = block.prev_free_block, block.next_free_block
-            if prev_block is None or next_block is None:
-                raise RuntimeError(f"block {block_id} is not in the free queue")
-            prev_block.next_free_block = next_block
-            next_block.prev_free_block = prev_block
-            block.prev_free_block = block.next_free_block = None
-            assert block.ref_cnt == 0, f"block {block_id} handed out with ref_cnt {block.ref_cnt}"
-            block.ref_cnt = 1
-            blocks.append(block)
-        self.free_block_queue.num_free_blocks -= len(blocks)
-        self._num_unheld_free -= len(blocks)
-        return blocks
+    def _held_free_blocks(self, n: int, fresh: list[KVCacheBlock]) -> list[KVCacheBlock] | None:
+        """The first n held blocks of the free queue (still in it) other than the fresh ones
+        (just taken from kvcached, held, still in the queue), or None if there are fewer."""
+        found: list[KVCacheBlock] = []
+        if n > self.free_block_queue.num_free_blocks - self._num_unheld_free - len(fresh):
+            return None
+        held = self._held
+        if fresh:
+            held = bytearray(held)      # a copy: the fresh ones are not what is looked for
+            for block in fresh:
+                held[block.block_id] = 0
+        for block in self.free_block_queue.iter_blocks_after(None):
+            if held[block.block_id]:
+                found.append(block)
+                if len(found) == n:
+                    return found
+        return None
 
-    def touch(self, blocks) -> None:
-        """vLLM's touch (inlined: See Note [Inlined vLLM paths]); a block that kvcached does not
-        hold for this pool (a free, uncached block taken as a hit, as connectors and vLLM's tests
-        do) is claimed from it."""
-        held, queue, metrics = self._held, self.free_block_queue, self.metrics_collector
-        in_use, per_page = self._in_use_by_page, self._blocks_per_page
-        claim: list[int] = []
-        left_queue = False
+    def _give_back(self, blocks: list[KVCacheBlock]) -> None:
+        """Undo _take_unheld: the blocks (still free, in the queue) go back to kvcached."""
+        if not blocks:
+            return
+        self._free([block.block_id for block in reversed(blocks)])
         for block in blocks:
-            if block.is_null:
-                continue
-            if block.ref_cnt == 0:
-                queue.remove(block)
-                left_queue = True
-                in_use[block.block_id // per_page] += 1
-                if not held[block.block_id]:
-                    claim.append(block.block_id)
-            block.ref_cnt += 1
-            if metrics:
-                metrics.on_block_accessed(block)
+            self._held[block.block_id] = 0
+        self._num_unheld_free += len(blocks)
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """vLLM's touch; a block that kvcached does not hold for this pool (a free, uncached
+        block taken as a hit, as connectors and vLLM's tests do) is claimed from it."""
+        leaving = [block for block in blocks if not block.ref_cnt and not block.is_null]
+        super().touch(blocks)
+        if not leaving:
+            return
+        held, in_use, per_page = self._held, self._in_use_by_page, self._blocks_per_page
+        claim: list[int] = []
+        for block in _distinct(leaving):
+            in_use[block.block_id // per_page] += 1
+            if not held[block.block_id]:
+                claim.append(block.block_id)
         if claim:
             self._num_unheld_free -= len(claim)
             self._claim(claim)
-        if left_queue:
-            self._bind_count()
 
     def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
-        """vLLM's unpin_blocks (inlined: See Note [Inlined vLLM paths]); a borrowed block it frees
-        is a plain free block again (kvcached never held it for us), which kvcached may hand out
-        next, and on_reuse hears of that."""
-        released: list[KVCacheBlock] = []
-        in_use, per_page, watchers = self._in_use_by_page, self._blocks_per_page, self._reuse_watchers
-        for block in blocks:
-            assert block.ref_cnt > 0 and not block.is_null
-            block.ref_cnt -= 1
-            watchers[block.block_id] = on_reuse
-            if block.ref_cnt == 0:
-                released.append(block)
-                in_use[block.block_id // per_page] -= 1
-        self.free_block_queue.append_n(released)
-        if self._borrowed:
-            for block in released:
-                if block.block_id in self._borrowed:
-                    self._forget_borrowed(block)
-        self._bind_count()
+        """vLLM's unpin_blocks; the blocks stay held (readable until reused). A borrowed block it
+        frees is a plain free block again (kvcached never held it for us), which kvcached may
+        hand out next, and on_reuse hears of that."""
+        blocks = list(blocks)
+        super().unpin_blocks(blocks, on_reuse)
+        in_use, per_page, borrowed = self._in_use_by_page, self._blocks_per_page, self._borrowed
+        for block in _distinct([block for block in blocks if not block.ref_cnt]):
+            in_use[block.block_id // per_page] -= 1
+            if borrowed and block.block_id in borrowed:
+                self._forget_borrowed(block)
 
     def _claim(self, block_ids: list[int]) -> None:
         """Make kvcached hold these ids (free in it, in use here). See Note [Claiming a block]."""
@@ -456,93 +424,46 @@ class ElasticBlockPool(BlockPool):
             self.manager.free(others)
         self._borrowed |= wanted
 
-    def _held_free_blocks(self, n: int) -> list[KVCacheBlock] | None:
-        """The first n held blocks of the free queue (still in it), or None if there are fewer."""
-        found: list[KVCacheBlock] = []
-        if n > self.free_block_queue.num_free_blocks - self._num_unheld_free:
-            return None
-        held = self._held
-        for block in self.free_block_queue.iter_blocks_after(None):
-            if held[block.block_id]:
-                found.append(block)
-                if len(found) == n:
-                    return found
-        return None
-
-    def _give_back(self, blocks: list[KVCacheBlock]) -> None:
-        """Undo _take_unheld: the blocks go back to kvcached and to the front of the free queue."""
-        if not blocks:
-            return
-        self.manager.free([block.block_id for block in reversed(blocks)])
-        for block in blocks:
-            self._held[block.block_id] = 0
-            block.ref_cnt = 0
-            self._in_use_by_page[block.block_id // self._blocks_per_page] -= 1
-        self._num_unheld_free += len(blocks)
-        self.free_block_queue.prepend_n(blocks)
-
     # -- freeing ---------------------------------------------------------------------------------
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """vLLM's free, then the blocks that became free and hold no prefix-cache entry go back
-        to kvcached (their pages unmap as they empty); under a deferred limit, free pages of
-        cached blocks go back too. See Note [Held blocks]."""
-        # vLLM's free_blocks, inlined, with the blocks to give back picked in the same pass:
-        # See Note [Inlined vLLM paths].
-        evict_first: list[KVCacheBlock] = []
-        evict_last: list[KVCacheBlock] = []
+        """vLLM's free, then the blocks of this pool that became free and hold no prefix-cache
+        entry go back to kvcached (their pages unmap as they empty); under a deferred limit,
+        free pages of cached blocks go back too. See Note [Held blocks].
+        O(blocks) plus kvcached's free; O(blocks on a page) for a page left with none in use."""
+        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
+        super().free_blocks(blocks)
+        freed = [block for block in blocks if not block.ref_cnt and block.pool is self and not block.is_null]
+        if freed:
+            self._give_back_freed(freed)
+        self._follow_limit()
+
+    def _give_back_freed(self, freed: list[KVCacheBlock]) -> None:
+        """kvcached's part of free_blocks: the blocks that vLLM's free left with ref_cnt 0."""
         released: list[int] = []
         emptied: list[int] = []         # pages left with no block in use
-        other_pools: dict[BlockPool, list[KVCacheBlock]] = {}
-        held, caching = self._held, self.enable_caching
-        in_use, per_page = self._in_use_by_page, self._blocks_per_page
+        held, in_use, per_page = self._held, self._in_use_by_page, self._blocks_per_page
         cached_by_block = self.cached_block_hashes_by_block or None     # hashes beyond a block's own
-        for block in ordered_blocks:
-            if block.is_null:           # never pooled; its ref_cnt is not maintained
-                continue
-            pool = block.pool
-            if pool is not self and pool is not None:
-                other_pools.setdefault(pool, []).append(block)
-                continue
-            ref_cnt = block.ref_cnt - 1
-            block.ref_cnt = ref_cnt
-            if ref_cnt:
-                continue
-            if pool is self:
-                page = block.block_id // per_page
-                in_use[page] -= 1
-                if not in_use[page]:
-                    emptied.append(page)
-            if block._block_hash is None:
-                evict_first.append(block)
-                block_id = block.block_id
-                # Borrowed blocks are not held: See Note [Claiming a block].
-                if (pool is self and held[block_id]
-                        and (cached_by_block is None or block_id not in cached_by_block)):
-                    held[block_id] = 0
-                    released.append(block_id)
-            elif caching:
-                evict_last.append(block)
-            else:
-                evict_first.append(block)
-        queue = self.free_block_queue
-        queue.prepend_n(evict_first)
-        queue.append_n(evict_last)
-        if self._borrowed:
-            for block in evict_first + evict_last:
-                if block.block_id in self._borrowed:
-                    self._forget_borrowed(block)
+        borrowed = self._borrowed
+        for block in _distinct(freed):
+            block_id = block.block_id
+            page = block_id // per_page
+            in_use[page] -= 1
+            if not in_use[page]:
+                emptied.append(page)
+            if borrowed and block_id in borrowed:
+                self._forget_borrowed(block)    # not held: See Note [Claiming a block]
+            elif (held[block_id] and block.block_hash is None
+                    and (cached_by_block is None or block_id not in cached_by_block)):
+                held[block_id] = 0
+                released.append(block_id)
         if released:
             released.reverse()          # kvcached hands out the last freed id first
             self._free(released)
             self._num_unheld_free += len(released)
-        if len(released) != len(evict_first) + len(evict_last):    # held free blocks came, or borrowed went
-            self._bind_count()
-        for pool, pool_blocks in other_pools.items():
-            pool.free_blocks(pool_blocks)
         # With no held free block (no cache, nothing unpinned) no page can be idle.
-        if emptied and not self.keep_idle_cached_pages and queue.num_free_blocks > self._num_unheld_free:
+        if (emptied and not self.keep_idle_cached_pages
+                and self.free_block_queue.num_free_blocks > self._num_unheld_free):
             self._release_idle_pages(emptied)
-        self._follow_limit()
 
     def _release_idle_pages(self, pages: list[int]) -> None:
         """Give back the held (free, cached) blocks of these pages, which hold no block in use
@@ -560,7 +481,7 @@ class ElasticBlockPool(BlockPool):
         self._borrowed.discard(block.block_id)
         self._num_unheld_free += 1
         if block.block_hash is not None or block.block_id in self.cached_block_hashes_by_block:
-            self._maybe_evict_cached_block(block)
+            self.evict_blocks({block.block_id})
 
     def release_free_pages(self) -> int:
         """Give kvcached every free block this pool holds (prefix-cache entries dropped) on pages
@@ -583,23 +504,23 @@ class ElasticBlockPool(BlockPool):
         return len(released)
 
     def _release(self, blocks: list[KVCacheBlock]) -> None:
-        """Free held blocks (ref_cnt 0) go back to kvcached, their prefix-cache entries dropped;
-        readers of unpinned ones are told first, as when vLLM reuses a block."""
+        """Free held blocks (ref_cnt 0) go back to kvcached: vLLM reuses them first (its
+        get_new_blocks drops their prefix-cache entries, with their events, and tells the readers
+        of unpinned ones), frees them to the front of its queue, and their ids go to kvcached.
+        See Note [Extending vLLM's pool]."""
         if not blocks:
             return
-        if self._reuse_watchers:
-            self._notify_reuse(blocks)
-        held, cached_by_block, queue = self._held, self.cached_block_hashes_by_block, self.free_block_queue
+        queue = self.free_block_queue
         for block in blocks:
-            if block._block_hash is not None or block.block_id in cached_by_block:
-                self._maybe_evict_cached_block(block)
-            held[block.block_id] = 0
             queue.remove(block)
-        # Uncached free blocks sit in front of the held ones in vLLM's queue: move them there.
         queue.prepend_n(blocks)
+        taken = BlockPool.get_new_blocks(self, len(blocks))
+        BlockPool.free_blocks(self, taken)      # uncached now: to the front, in this order
+        held = self._held
+        for block in blocks:
+            held[block.block_id] = 0
         self._free([block.block_id for block in reversed(blocks)])
         self._num_unheld_free += len(blocks)
-        self._bind_count()
 
     def _follow_limit(self) -> None:
         """While the manager's limit is deferred, give back free pages: looked at every
@@ -642,9 +563,8 @@ class ElasticBlockPool(BlockPool):
             if block.is_null or block.ref_cnt:
                 in_use_by_page[block.block_id // self._blocks_per_page] += 1
         assert in_use_by_page == self._in_use_by_page, "blocks in use per page"
-        # kvcached's free ids are the unheld free blocks and the borrowed ones: See Note [Free count binding].
+        # kvcached's free ids are the unheld free blocks and the borrowed ones.
         assert self._available_size() <= num_unheld_free + len(self._borrowed), "kvcached offers more than it has"
-        assert self.get_num_free_blocks() == type(self).get_num_free_blocks(self), "bound free count differs"
         assert self.manager.stats()["allocated"] == num_held, "manager and pool disagree on held blocks"
         held_by_page: dict[int, int] = {}
         for block_id in range(self.num_gpu_blocks):
@@ -654,6 +574,13 @@ class ElasticBlockPool(BlockPool):
         live_by_page = {page: live for page, (live, _) in self.manager.get_page_occupancy().items() if live}
         assert held_by_page == live_by_page, "held blocks per page differ from the manager's pages"
         self.manager.check_invariants()
+
+
+def _distinct(blocks: list[KVCacheBlock]) -> Iterable[KVCacheBlock]:
+    """The blocks, each once, in order: a block may be listed twice in one call of vLLM's."""
+    if len(blocks) < 2:
+        return blocks
+    return {block.block_id: block for block in blocks}.values()
 
 
 # Note [Held blocks]
@@ -684,8 +611,8 @@ class ElasticBlockPool(BlockPool):
 # in use (keep_idle_cached_pages False). Finding such pages by scanning every page a call's freed
 # blocks lie on cost ~0.7 % of a step with prefix caching (a request's blocks spread over many
 # pages), so _in_use_by_page counts the blocks with ref_cnt > 0 per page (the null block counted,
-# so its page never empties), kept at every 0 <-> 1 change of a ref_cnt: _take_fresh, the held
-# blocks get_new_blocks takes, touch, free_blocks, unpin_blocks, _give_back. A page whose count
+# so its page never empties), kept at every 0 <-> 1 change of a ref_cnt, after vLLM's own method
+# made it: get_new_blocks (_hand_out), touch, free_blocks, unpin_blocks. A page whose count
 # falls to 0 in free_blocks is idle, and only its blocks are looked at. check_invariants recounts.
 # The measurements: benchmarks/README.md (bench_vllm_scheduler, the pool's history).
 #
@@ -721,34 +648,27 @@ class ElasticBlockPool(BlockPool):
 # allocation needs pages the shrink took away. Closing it needs kvcached to keep what it
 # promised (a reservation per count), which the manager does not offer.
 #
-# Note [Free count binding]
-# The count needs one available_size() per call (Note [Honest free count]); what can go is the
-# Python around it. While no block is borrowed, kvcached's free ids are exactly the free blocks
-# this pool does not hold, so available_size() never exceeds their number and the count is the
-# held free blocks plus available_size(); with no held free block (no prefix caching, nothing
-# unpinned) it is available_size() itself. The instance attribute get_num_free_blocks is bound
-# to the manager's available_size then (vLLM's call runs no Python frame of ours), else to
-# _count_with_held_free; the class's method is the general form (borrowed blocks, the reset's
-# count). Measured in the middle of the benchmark's stream (no caching): 62 ns a count against
-# vLLM's 38 and 157-241 ns for the general form. Whatever can make held free blocks appear or
-# all go, or change the borrowed blocks, rebinds before it returns: free_blocks (when a freed
-# block stays held or was borrowed), touch, unpin_blocks, get_new_blocks when it takes held
-# blocks, _release and reset_prefix_cache; taking fresh blocks or giving them back changes
-# neither. check_invariants compares the bound count with the general one (the model-based
-# tests call it after every step).
-#
-# Note [Inlined vLLM paths]
-# vLLM's scheduler calls the pool ~55 times a step (get_num_free_blocks once per running
-# request, get_new_blocks ~3 times, almost always for one block), so the Python around each call
-# is what the pool costs. free_blocks, touch and the taking of fresh blocks repeat vLLM 0.33's
-# own code (its linked free queue, ref_cnt, _block_hash) instead of calling it and then walking
-# the blocks again, counters replace recounts (_num_unheld_free), and get_new_blocks takes fresh
-# blocks with one alloc and no count when kvcached has them all. The figure that decided it: with
-# vLLM's methods called underneath a step took 1.07-1.10x stock's, with these paths 1.04-1.06x
-# (same machine and hour; the later steps are in benchmarks/README.md, bench_vllm_scheduler).
-# What is left is mostly kvcached's own calls: an available_size() per count, an alloc/free per
-# allocation, and the pages mapped and unmapped as they fill and empty. version.py pins the
-# minor whose internals these paths repeat, and vLLM's own scheduler tests run against this pool.
+# Note [Extending vLLM's pool]
+# The pool subclasses vLLM's BlockPool and changes only which free block is handed out and when
+# a block's memory comes and goes; the work on vLLM's structures is vLLM's own code, called
+# through its public methods (free queue remove/prepend_n, get_new_blocks, free_blocks, touch,
+# unpin_blocks, evict_blocks), so the same pool runs on every supported release and what vLLM
+# changes in a release (events, metrics, watchers of unpinned blocks, null-block handling) it
+# gets with it. kvcached picks the ids (fullest mapped page first): get_new_blocks puts the
+# picked blocks at the front of vLLM's free queue and lets vLLM's get_new_blocks take them;
+# free_blocks, touch and unpin_blocks call vLLM's first and then look at the blocks that left or
+# joined the free queue (ref_cnt 0 <-> 1) to keep the held flags, the per-page counts and
+# kvcached's allocation in step. Giving cached blocks back (_release) is vLLM's reuse of them
+# (get_new_blocks: their cache entries dropped with events, readers of unpinned blocks told)
+# followed by vLLM's free, after which they are plain free blocks at the front of the queue;
+# with a metrics collector that reuse samples them as allocated, as vLLM's own reuse does.
+# No field of vLLM's is written and no private method of it called. The cost against the
+# earlier pool that repeated vLLM 0.33's code inline (benchmarks/README.md, bench_vllm_scheduler,
+# 2026-12-02): CPU time of a 1200-step stream, best of 4, 0.97x stock's against 1.04x for the
+# inlined pool; the wall-clock benchmark on the same (heavily loaded) machine gave 1.09-1.11x
+# against 1.05-1.10x, within its noise there. No inlined path is kept; if a quiet-machine run of
+# bench_vllm_scheduler shows the 5 % goal missed, the candidates are the fresh take in
+# get_new_blocks (a queue move and a count per call) and the second walk in free_blocks.
 #
 # Note [Sleep]
 # vLLM's sleep (LLM.sleep(level >= 1), the /sleep endpoint) discards the KV cache: it aborts or

@@ -52,8 +52,8 @@ def enable(*, worker: bool = True) -> None:
     "kvcached" (kvcached.integration.vllm.sleep). Idempotent.
 
     Raises KVCachedConfigError, changing nothing, for an unsupported vLLM version or a worker
-    module that cannot be imported."""
-    check_vllm_version()
+    module that cannot be imported. Logs the vLLM release it found and the names it rebound."""
+    version = check_vllm_version()
     from .block_pool import ElasticBlockPool
 
     hooks: list[tuple[str, str, object]] = [(module, name, ElasticBlockPool) for module, name in SCHEDULER_HOOKS]
@@ -75,7 +75,7 @@ def enable(*, worker: bool = True) -> None:
             setattr(target, name, replacement)
         if worker:
             register_sleep_backend()    # stays registered: See Note [Hooks]
-    logger.info("kvcached enabled in vLLM: %s", ", ".join(f"{m}.{n}" for m, n, _ in hooks))
+    logger.info("kvcached enabled in vLLM %s: %s", version, ", ".join(f"{m}.{n}" for m, n, _ in hooks))
 
 
 def disable() -> None:
@@ -106,14 +106,14 @@ def _import(module: str):
 # vLLM's KVCacheCoordinator builds its pool as `BlockPool(...)`, a name it looks up in its own
 # module (vllm.v1.core.kv_cache_coordinator) when the scheduler is made; the GPU model runners
 # call `allocate_kv_cache(...)` from their modules when the KV cache is initialised. Rebinding
-# those names is the narrowest switch vLLM 0.33 offers (no configuration option selects a pool
+# those names is the narrowest switch vLLM 0.32 and 0.33 offer (no configuration option selects a pool
 # class or a KV allocator): vllm.v1.core.block_pool.BlockPool itself stays vLLM's class, so
 # anything else that subclasses or builds it is untouched. The sleep-mode backend "kvcached" is
 # registered in vLLM's SleepModeBackendFactory (Note [A sleep-mode backend]); vLLM has no call
 # that unregisters one, so disable() leaves it there, used only by an engine that names it. The
 # names are rebound only by
 # enable(), which the plugin entry point calls (KVCACHED_VLLM=1) or the user calls before building
-# the engine; the version check comes first because the pool depends on that minor's internals.
+# the engine; the version check comes first: only the releases CI tests the pool against are enabled.
 #
 # Note [An opt-in entry point]
 # vLLM calls every vllm.general_plugins entry point in every process it starts, so a plain
