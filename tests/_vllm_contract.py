@@ -55,22 +55,29 @@ def kvcached_for_vllm(kv_env) -> Iterator[None]:
         disable()
 
 
-def vllm_manager(num_blocks: int, *, elastic: bool, caching: bool = True, metrics: bool = False) -> VllmKVCacheManager:
-    """vLLM's scheduler-side KVCacheManager over one full-attention group, with vLLM's pool or
-    ours (built through enable(), the way the scheduler gets it); metrics: a collector that
-    samples every block."""
-    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
-        ["layer"], FullAttentionSpec(block_size=TOKENS_PER_BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+def scheduler_manager(config: KVCacheConfig, *, elastic: bool = True, worker: bool = False,
+                      block_size: int = TOKENS_PER_BLOCK, max_model_len: int = 4096, **kwargs) -> VllmKVCacheManager:
+    """vLLM's scheduler-side KVCacheManager over `config`, with vLLM's pool or ours (built
+    through enable(worker=worker), the way the scheduler gets it, then disable()); kwargs go to
+    vLLM's KVCacheManager."""
     if elastic:
-        enable(worker=False)
+        enable(worker=worker)
     try:
-        manager = VllmKVCacheManager(config, max_model_len=4096, scheduler_block_size=TOKENS_PER_BLOCK,
-                                     hash_block_size=TOKENS_PER_BLOCK, enable_caching=caching,
-                                     metrics_collector=KVCacheMetricsCollector(sample_rate=1.0) if metrics else None)
+        manager = VllmKVCacheManager(config, max_model_len=max_model_len, scheduler_block_size=block_size,
+                                     hash_block_size=block_size, **kwargs)
     finally:
         disable()
-    assert isinstance(manager.block_pool, ElasticBlockPool) == elastic
+    assert isinstance(manager.block_pool, ElasticBlockPool) == elastic, type(manager.block_pool)
     return manager
+
+
+def vllm_manager(num_blocks: int, *, elastic: bool, caching: bool = True, metrics: bool = False) -> VllmKVCacheManager:
+    """scheduler_manager over one full-attention group; metrics: a collector that samples every
+    block."""
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(
+        ["layer"], FullAttentionSpec(block_size=TOKENS_PER_BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32))])
+    return scheduler_manager(config, elastic=elastic, enable_caching=caching,
+                             metrics_collector=KVCacheMetricsCollector(sample_rate=1.0) if metrics else None)
 
 
 def make_request(request_id: str, tokens: list[int]) -> Request:

@@ -25,6 +25,7 @@ for path in (REPO, os.path.join(REPO, "tests")):
         sys.path.insert(0, path)
 
 import torch
+from _procs import wait_until
 
 REPLY = "REPLY "
 WAIT_S = 300.0
@@ -50,14 +51,15 @@ def kv_cache_config():
 
 def wait_for_file(path: str, procs=(), timeout_s: float = WAIT_S) -> None:
     """Wait for another process to create `path`; fail at once if one of `procs` exited."""
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(path):
+    def appeared() -> bool:
+        if os.path.exists(path):
+            return True
         for proc in procs:
             if proc.poll() is not None:
                 raise RuntimeError(f"worker {proc.args[3]} exited with {proc.returncode} before {path} appeared")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{path} did not appear within {timeout_s} s")
-        time.sleep(0.02)
+        return False
+
+    wait_until(appeared, timeout_s, what=f"{path} to appear")
 
 
 def write_file(path: str, text: str = "") -> None:
@@ -113,22 +115,12 @@ def scheduler(scenario: str, tp: int, workdir: str) -> None:
 
 
 def _scheduler_manager():
-    from _vllm_contract import TOKENS_PER_BLOCK
+    from _vllm_contract import scheduler_manager
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    from kvcached.integration.vllm import ElasticBlockPool, disable, enable
-
     init_none_hash(sha256)
-    enable(worker=False)
-    try:
-        manager = VllmKVCacheManager(kv_cache_config(), max_model_len=8192, scheduler_block_size=TOKENS_PER_BLOCK,
-                                     hash_block_size=TOKENS_PER_BLOCK, enable_caching=False)
-    finally:
-        disable()
-    assert isinstance(manager.block_pool, ElasticBlockPool), type(manager.block_pool)
-    return manager
+    return scheduler_manager(kv_cache_config(), max_model_len=8192, enable_caching=False)
 
 
 def _leader():
@@ -169,11 +161,9 @@ def serve(procs, tp: int, workdir: str) -> dict:
     result["fourth"] = admit(manager, make_request("3", [3] * PROMPT_TOKENS))[1]
     budget = os.environ["KVCACHED_GLOBAL_BUDGET"]
     result["budget_held"] = read_budget(budget).held_bytes
-    deadline = time.monotonic() + WAIT_S               # the tracker publishes every 10 ms
-    while (used := read_segment(pool.manager.ipc_name).used_bytes) != result["budget_held"] \
-            and time.monotonic() < deadline:
-        time.sleep(0.01)
-    result["tracker_used"] = used
+    wait_until(lambda: read_segment(pool.manager.ipc_name).used_bytes == result["budget_held"], WAIT_S,
+               what="the tracker to publish every rank's bytes")        # every 10 ms
+    result["tracker_used"] = read_segment(pool.manager.ipc_name).used_bytes
     write_file(f"{workdir}/blocks.json", json.dumps(block_ids))
     result["wrote"] = []
     for rank in range(tp):

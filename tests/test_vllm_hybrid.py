@@ -191,24 +191,16 @@ def test_hybrid_scheduler_hands_out_rows_of_the_hybrid_tensors(kv_uninitialised,
     the tensors: every group's blocks of an admitted request are mapped rows, written through the
     attention view and the Mamba states; freeing and resetting give every page back."""
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VllmKVCacheManager
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    from _vllm_contract import make_request
-    from kvcached.integration.vllm import disable, enable
+    from _vllm_contract import make_request, scheduler_manager
 
     init_none_hash(sha256)
     config, specs = hybrid_kv_cache_config(HF_CONFIGS["granite-4.0-h"](), tmp_path, KVCacheLayout.LBNHC)
     tensors = allocate_kv_cache(config, "cpu", KVCacheLayout.LBNHC)
     block_size = config.kv_cache_groups[0].kv_cache_spec.block_size
-    enable(worker=False)
-    try:
-        manager = VllmKVCacheManager(config, max_model_len=128, scheduler_block_size=block_size,
-                                     hash_block_size=block_size, enable_caching=True)
-    finally:
-        disable()
+    manager = scheduler_manager(config, block_size=block_size, max_model_len=128, enable_caching=True)
     pool = manager.block_pool
-    assert isinstance(pool, ElasticBlockPool)
     try:
         request = make_request("a", list(range(100)))
         blocks = manager.allocate_slots(request, request.num_tokens)

@@ -11,7 +11,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _vllm_contract import PER_PAGE, SMALL_BLOCKS, TOKENS_PER_BLOCK, admit, make_request, mapped_pages, vllm_manager
+from _vllm_contract import (
+    PER_PAGE,
+    SMALL_BLOCKS,
+    TOKENS_PER_BLOCK,
+    admit,
+    make_request,
+    mapped_pages,
+    scheduler_manager,
+    vllm_manager,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,14 +68,8 @@ def engine(vllm_kv):
                            kv_cache_tensors=[KVCacheTensor(size=layer_bytes, layers=["layer"], layer_stride=layer_bytes,
                                                            block_stride=SPEC.page_size_bytes)])
     tensors = allocate_kv_cache(config, "cpu")
-    enable()
-    try:
-        manager = VllmKVCacheManager(config, max_model_len=4096, scheduler_block_size=TOKENS_PER_BLOCK,
-                                     hash_block_size=TOKENS_PER_BLOCK, enable_caching=True)
-    finally:
-        disable()
+    manager = scheduler_manager(config, worker=True, enable_caching=True)
     pool = manager.block_pool
-    assert isinstance(pool, ElasticBlockPool)
     pool.keep_idle_cached_pages = True      # cached blocks keep their pages until a reset or sleep
     try:
         yield Engine(manager, pool, tensors["layer"])
