@@ -271,7 +271,7 @@ def _transformers_version() -> str:
     return transformers.__version__
 
 
-def bench_end_to_end(model, caches, setup: Setup) -> list[dict]:
+def bench_end_to_end(model, caches, setup: Setup, *, generate_batch: bool = True) -> list[dict]:
     work = prompts(setup.requests, setup.prompt, model.config.vocab_size, seed=1)
     tokens = setup.requests * setup.new
     rows = []
@@ -289,6 +289,8 @@ def bench_end_to_end(model, caches, setup: Setup) -> list[dict]:
     same = all(out == first for out in outputs.values())
     rows.append({"runner": f"(tokens identical across {', '.join('/'.join(k) for k in outputs)})",
                  "tokens_per_s": None, "note": str(same)})
+    if not generate_batch:
+        return rows
     seconds, note = run_generate_batch(model, work, setup.new, setup)
     rows.append({"runner": "generate_batch (paged, sdpa)", "tokens_per_s": tokens / seconds if seconds else None,
                  "seconds": seconds, "note": note})
@@ -472,7 +474,11 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests of the end-to-end run")
     parser.add_argument("--new", type=int, default=64, help="new tokens per request, end to end")
     parser.add_argument("--budget-pages", type=int, default=16, help="global budget of the handover, in page ids")
-    parser.add_argument("--skip", default="", help="comma list of sections to skip: decode,e2e,handover")
+    parser.add_argument("--skip", default="",
+                        help="comma list of sections to skip: decode, e2e, handover, generate_batch (the "
+                             "end-to-end run of transformers' generate_batch)")
+    parser.add_argument("--caches", default="static,kvcached",
+                        help="comma list of the caches to run side by side: static, kvcached")
     parser.add_argument("--modes", default="eager,graphs",
                         help="comma list of loop modes to run side by side: eager, graphs, compiled")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
@@ -500,9 +506,16 @@ def main() -> None:
             + blocks_for(setup.steps + 1, mixed_prompt(setup) + 2)                      # a mixed step's run
         num_blocks = max(mixed, blocks_for(setup.requests, setup.prompt + setup.new)) + 1     # + a loop's pad block
         caches = make_caches(model, setup, num_blocks)
-        print(f"{num_blocks} blocks per cache; kvcached layout {caches['kvcached'].manager.layout}", flush=True)
+        unknown = set(args.caches.split(",")) - set(caches)
+        if unknown:
+            raise SystemExit(f"--caches {args.caches}: {', '.join(sorted(unknown))} unknown; use static, kvcached")
+        for name in set(caches) - set(args.caches.split(",")):
+            caches.pop(name).close()
+        if "kvcached" in caches:
+            print(f"{num_blocks} blocks per cache; kvcached layout {caches['kvcached'].manager.layout}", flush=True)
         if "e2e" not in skip:
-            results["end_to_end"] = bench_end_to_end(model, caches, setup)
+            results["end_to_end"] = bench_end_to_end(model, caches, setup,
+                                                     generate_batch="generate_batch" not in skip)
             print_end_to_end(results["end_to_end"], setup)
         if "decode" not in skip:
             results["decode"] = bench_decode(model, caches, setup)

@@ -28,7 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 POLL_S = 0.0005
 PAGES = 8                       # the budget, in page ids; B asks for half
-BLOCKS, BLOCK_SIZE, CELL_BYTES, LAYERS = 1024, 16, 64, 2
+BLOCK_SIZE, CELL_BYTES, LAYERS = 16, 64, 2
+PAGE_BYTES = {"cpu": 64 << 10, "cuda": 2 << 20}     # one KV buffer's page on each backend
+
+
+def num_blocks(device: str) -> int:
+    """Blocks of a cache twice the budget: PAGES page ids are half its pages on either backend."""
+    return 2 * PAGES * PAGE_BYTES[device.split(":")[0]] // (BLOCK_SIZE * CELL_BYTES)
 TIMEOUT_S = 30.0
 
 
@@ -38,8 +44,8 @@ def _manager(device: str, budget: str, name: str, group: int):
     from kvcached import KVCacheManager, config, init_kvcached
 
     config.reload_settings()
-    init_kvcached(device=device, page_size_bytes=None if device.startswith("cuda") else 64 << 10)
-    return KVCacheManager(BLOCKS, BLOCK_SIZE, CELL_BYTES, LAYERS, group_id=group, pool_name=name)
+    init_kvcached(device=device, page_size_bytes=PAGE_BYTES[device.split(":")[0]])
+    return KVCacheManager(num_blocks(device), BLOCK_SIZE, CELL_BYTES, LAYERS, group_id=group, pool_name=name)
 
 
 def _until(condition, what: str) -> float:
@@ -57,7 +63,7 @@ def holder(device: str, budget: str, rounds: int, ready, go, done, times) -> Non
 
     manager = _manager(device, budget, "a", 0)
     set_budget(budget, PAGES * manager.page_bytes, policy="fair")
-    per_page = BLOCKS // manager.num_pages
+    per_page = num_blocks(device) // manager.num_pages
     for _ in range(rounds):
         held: list[int] = []
 
@@ -84,7 +90,7 @@ def holder(device: str, budget: str, rounds: int, ready, go, done, times) -> Non
 def newcomer(device: str, budget: str, rounds: int, ready, go, done, times) -> None:
     """Instance B: per round report demand for half the budget and allocate it once it can."""
     manager = _manager(device, budget, "b", 1)
-    want = PAGES // 2 * (BLOCKS // manager.num_pages)
+    want = PAGES // 2 * (num_blocks(device) // manager.num_pages)
     for _ in range(rounds):
         ready.wait(TIMEOUT_S)
         ready.clear()

@@ -72,6 +72,19 @@ def _choice(options: tuple[str, ...], upper: bool = False) -> Callable[[str], st
     return parse
 
 
+def _auto_or(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """"auto", or what `parse` accepts."""
+    def parse_or_auto(text: str) -> object:
+        if text.strip().lower() == "auto":
+            return "auto"
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise ValueError(f"must be auto or {str(exc).removeprefix('must be ')}") from None
+
+    return parse_or_auto
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -151,6 +164,11 @@ SETTINGS: tuple[Setting, ...] = (
             "How the scheduling rank of a tensor-parallel instance reaches the other ranks: shm (rounds in "
             "a shared-memory segment, the ranks of one host), gloo (messages over torch.distributed, any "
             "host), or auto (shm when every rank could map the segment, else gloo). Set the same on every rank."),
+    Setting("KVCACHED_TP_SPIN_US", _auto_or(_int_in(0, 100_000)), "auto",
+            "Microseconds a rank polls for the other side of a shared-memory round before it sleeps on "
+            "the semaphore: a wake-up from sleep costs tens of microseconds on an idle many-core host, "
+            "polling costs a core the other side may need on a small one. auto: 50 where the process "
+            "may run on at least 4 CPUs, else 0."),
     Setting("KVCACHED_VLLM", _bool, False,
             "Let vLLM's plugin loader enable kvcached (kvcached.integration.vllm.register); off, "
             "installing kvcached changes nothing in vLLM."),
@@ -221,6 +239,7 @@ class Settings:
     debug_checks: bool
     tp_timeout_s: float
     tp_transport: str
+    tp_spin_us: int | str           # "auto" or microseconds
     vllm: bool
 
 

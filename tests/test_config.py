@@ -60,6 +60,8 @@ CASES = {
                               ["0", "0.05", "-1", "86401", "nan", "inf", "10s", ""]),
     "KVCACHED_TP_TRANSPORT": ([("auto", "auto"), (" SHM ", "shm"), ("gloo", "gloo")],
                               ["", "nccl", "tcp", "sh m"]),
+    "KVCACHED_TP_SPIN_US": ([("auto", "auto"), (" AUTO ", "auto"), ("0", 0), ("50", 50), ("100000", 100000)],
+                            ["", "-1", "100001", "5.5", "fast", "auto50"]),
 }
 
 FIELDS = dict(zip((s.name for s in config.SETTINGS), config.Settings.__dataclass_fields__))

@@ -348,6 +348,20 @@ def test_attention_refuses_more_queries_than_tokens():
                         **{k: v for k, v in args.items() if k != "query"})
 
 
+@pytest.mark.parametrize("num_decodes, error, match", [
+    (2, KVCachedArgumentError, r"num_decodes=2 but request 1 has 3 queries"),
+    (3, KVCachedArgumentError, r"num_decodes=3 is out of range|num_decodes=3"),
+    (-1, KVCachedArgumentError, "num_decodes=-1"),
+    (1.0, KVCachedArgumentError, "num_decodes=1.0"),
+])
+def test_attention_refuses_a_wrong_num_decodes(num_decodes, error, match):
+    """num_decodes names leading requests of one query each: any other value is refused."""
+    args = _decode_args(seq_lens=torch.tensor([3, 5], dtype=torch.int32))
+    with pytest.raises(error, match=match):
+        paged_attention(torch.zeros(4, 4, 64), query_start_loc=torch.tensor([0, 1, 4], dtype=torch.int32),
+                        num_decodes=num_decodes, **{k: v for k, v in args.items() if k != "query"})
+
+
 # -- kvcached tensors of every layout --------------------------------------------------------------
 
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)

@@ -250,6 +250,27 @@ def test_paged_attention_mixed_batch_on_cuda(kv_layout, window):
     assert_close(out, batch.expected(window), 2e-2)
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kv_layout", KV_LAYOUTS)
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("num_decodes", [0, 7, 20])
+def test_decode_rows_first_through_the_decode_kernel_on_cuda(kv_layout, window, num_decodes):
+    """A continuous-batching step's order (decode rows, then a chunk and a prompt) with the decode
+    rows, or a prefix of them, named by num_decodes: those go through the decode kernel, the rest
+    through the prefill kernel with its starts offset, into one output; against SDPA."""
+    rng = random.Random(11)
+    seq_lens = [*(rng.randint(1, 600) for _ in range(20)), 700, 513]
+    q_lens = [*([1] * 20), 512, 513]
+    case = dict(block_size=16, head_dim=128, kv_heads=8, heads=32, seq_lens=seq_lens, q_lens=q_lens,
+                window=window, kv_layout=kv_layout, seed=5)
+    k_cache, v_cache, batch = make_plain_batch(case, dtype=torch.bfloat16, device="cuda")
+    poison_before_the_window(case, batch)
+    out = paged_attention(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                          batch.scale, sliding_window=window, kv_layout=kv_layout, num_decodes=num_decodes)
+    assert_close(out, batch.expected(window), 2e-2)
+
+
 def with_padding_request(batch: Batch, null_block: int) -> dict:
     """The batch's arguments with one more request, as a CUDA-graph padded step has: one query
     over one token of a block that holds nothing of it (the null block), table padded past it."""

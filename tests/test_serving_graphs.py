@@ -219,6 +219,19 @@ def test_block_table_rows_follow_the_requests():
     assert (loop.buffers.tables.numpy() == loop.pad_block).all()
 
 
+@settings(max_examples=50, deadline=None)
+@given(counts=st.lists(st.integers(1, 4), min_size=1, max_size=6))
+def test_packed_plan_counts_its_leading_decode_rows(counts):
+    """num_decodes of a packed step is the run of one-token requests at its front (what the
+    attention sends through the decode kernel), whatever follows."""
+    buffers = StepBuffers(max_running=6, max_tokens_per_step=24, width=2, block_size=4, device=torch.device("cpu"),
+                          pad_block=9)
+    rows = np.array([buffers.take_row([r]) for r in range(len(counts))])
+    plan = buffers.pack(rows, np.zeros(len(counts), np.int64), np.array(counts), np.ones(len(counts), bool),
+                        list(range(sum(counts))))
+    assert plan.num_decodes == next((i for i, n in enumerate(counts) if n != 1), len(counts))
+
+
 def test_padded_plan_lanes():
     """A decode step of 3 requests padded to 4 lanes: the real lanes first (their slots from the
     rows), then a lane of token 0 at position 0, slot -1, length 1 and a row of pad blocks."""
@@ -227,7 +240,7 @@ def test_padded_plan_lanes():
     rows = [buffers.take_row(blocks) for blocks in ([1], [2, 3], [4, 5, 6])]
     plan = buffers.pack(np.array(rows), np.array([2, 5, 8]), np.ones(3, np.int64), np.ones(3, bool), [7, 8, 9],
                         lanes=4)
-    assert plan.sizes == (4, 4, 3, 4)
+    assert plan.sizes == (4, 4, 3, 4, 4)           # every lane a decode row
     assert plan.input_ids.tolist() == [7, 8, 9, 0] and plan.positions.tolist() == [2, 5, 8, 0]
     assert plan.slot_mapping.tolist() == [1 * 4 + 2, 3 * 4 + 1, 6 * 4 + 0, -1]
     assert plan.seq_lens.tolist() == [3, 6, 9, 1] and plan.query_start_loc.tolist() == [0, 1, 2, 3, 4]

@@ -256,6 +256,8 @@ def test_step_plan_views_give_back_what_was_packed(rows, seed):
     copy = StepPlan(plan.sizes, plan.data.clone())
     for name, values in fields.items():
         assert getattr(copy, name).tolist() == values, name
+    leading_ones = next((i for i, (tokens, _) in enumerate(rows) if tokens != 1), len(rows))
+    assert copy.num_decodes == leading_ones
 
 
 def test_bad_splits_are_refused():

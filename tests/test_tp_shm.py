@@ -66,6 +66,7 @@ from kvcached.shm.files import own_identity
 fd = os.open(sys.argv[2], os.O_RDWR)
 seg = RoundSegment(fd, int(sys.argv[3]), int(sys.argv[4]), False)
 rank = int(sys.argv[5])
+seg.spin_ns = int(sys.argv[6])
 seg.set_identity(rank, *own_identity())
 print("attached", flush=True)
 while True:
@@ -80,14 +81,16 @@ while True:
 """
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_rounds_cross_processes_intact(segment_file, world):
+@pytest.mark.parametrize("world, spin_ns", [(2, 0), (3, 0), (2, 200_000)])
+def test_rounds_cross_processes_intact(segment_file, world, spin_ns):
     """Seeded random rounds (0..CAPACITY ids, random args, random subsets of the peers) to real
-    processes: every reply is the peer's answer to exactly that request."""
+    processes, every wait sleeping at once or polling first: every reply is the peer's answer to
+    exactly that request."""
     path, fd = segment_file
     lead = RoundSegment(fd, world, CAPACITY, True)
-    peers = [subprocess.Popen([sys.executable, "-c", ECHO, REPO, path, str(world), str(CAPACITY), str(rank)],
-                              stdout=subprocess.PIPE, text=True) for rank in range(1, world)]
+    lead.spin_ns = spin_ns
+    peers = [subprocess.Popen([sys.executable, "-c", ECHO, REPO, path, str(world), str(CAPACITY), str(rank),
+                               str(spin_ns)], stdout=subprocess.PIPE, text=True) for rank in range(1, world)]
     try:
         for proc in peers:
             assert proc.stdout.readline().strip() == "attached"
@@ -205,6 +208,33 @@ def test_silent_peer_times_out(segment_file):
     with pytest.raises(KVCachedTPError, match="did not answer within KVCACHED_TP_TIMEOUT_S=0.5 s"):
         leader.receive(1, 1, HELLO, leader.deadline())
     assert 0.5 <= time.monotonic() - t0 < 30
+
+
+def test_a_polling_wait_ends_at_its_timeout(segment_file):
+    """A wait that polls before it sleeps never polls past its timeout: with a minute's spin, a
+    wait of 50 ms for a reply that never comes returns False long before the minute."""
+    leader, _ = _pair(segment_file[1])
+    leader.segment.spin_ns = 60 * 10**9
+    t0 = time.monotonic()
+    assert not leader.segment.wait_reply(1, 0.05)
+    assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.parametrize("value, expected", [("0", 0), ("7", 7000), ("auto", None)])
+def test_spin_comes_from_the_setting(segment_file, monkeypatch, value, expected):
+    """KVCACHED_TP_SPIN_US sets every channel's segment; auto polls only on 4 CPUs or more."""
+    from kvcached import config
+
+    monkeypatch.setenv("KVCACHED_TP_SPIN_US", value)
+    config.reload_settings()
+    try:
+        leader, follower = _pair(segment_file[1])
+    finally:
+        monkeypatch.undo()
+        config.reload_settings()
+    if expected is None:
+        expected = 50_000 if len(os.sched_getaffinity(0)) >= 4 else 0
+    assert leader.segment.spin_ns == follower.segment.spin_ns == expected
 
 
 def test_follower_sees_the_scheduling_rank_gone(segment_file):

@@ -41,6 +41,7 @@ cdef class RoundSegment:
     cdef char* payloads                         # [world_size][capacity_ids * 4]: each rank's reply payload
     cdef readonly bint created                  # this process made the segment
     cdef readonly uint64_t num_served           # requests serve() applied and answered itself
+    cdef public int64_t spin_ns                 # a wait polls this long before it sleeps (0: never)
 
     cdef int _wait(self, sem_t* sem, double timeout_s) except -1 nogil     # 1 posted, 0 timed out, or raises
     cdef int _check_rank(self, int rank) except -1                          # 0, or raises KVCachedTPError

@@ -36,6 +36,28 @@ from kvcached.core.vmm cimport _OOM, check_os
 
 from kvcached.errors import KVCachedConfigError, KVCachedTPError
 
+cdef extern from *:
+    """
+    #if defined(__x86_64__) || defined(__i386__)
+    #include <immintrin.h>
+    static inline void kvcached_cpu_relax(void) { _mm_pause(); }
+    #elif defined(__aarch64__)
+    static inline void kvcached_cpu_relax(void) { __asm__ __volatile__("yield" ::: "memory"); }
+    #else
+    static inline void kvcached_cpu_relax(void) { }
+    #endif
+    """
+    void cpu_relax "kvcached_cpu_relax"() nogil
+
+cdef int _RELAX_PER_CHECK = 32          # pause instructions between two polls of the semaphore
+
+
+cdef inline int64_t _now_ns() noexcept nogil:
+    cdef timespec ts
+    clock_gettime(CLOCK_MONOTONIC, &ts)
+    return <int64_t>ts.tv_sec * 1000000000 + ts.tv_nsec
+
+
 cdef uint64_t _MAGIC = 0x314D53505443564B   # "KVCTPSM1"
 cdef int64_t _VERSION = 1
 REQUEST_SLOTS = _REQUEST_SLOTS
@@ -157,9 +179,19 @@ cdef class RoundSegment:
     cdef int _wait(self, sem_t* sem, double timeout_s) except -1 nogil:
         cdef timespec now, until
         cdef long whole
-        cdef int rc
+        cdef int rc, i
+        cdef int64_t spin_until
         if sem_trywait(sem) == 0:            # posted already: no clock read, no futex call
             return 1
+        if self.spin_ns > 0:                 # See Note [Polling before sleeping]
+            spin_until = _now_ns() + min(self.spin_ns, <int64_t>(timeout_s * 1e9))
+            while True:
+                for i in range(_RELAX_PER_CHECK):
+                    cpu_relax()
+                if sem_trywait(sem) == 0:
+                    return 1
+                if _now_ns() >= spin_until:
+                    break
         clock_gettime(CLOCK_MONOTONIC, &now)
         whole = <long>timeout_s
         until.tv_sec = now.tv_sec + whole
@@ -413,4 +445,15 @@ cdef class RoundSegment:
 # CPU machine (load 4-6) polling a reply for up to 30 us before sleeping raised the empty round
 # trip from 10 to 16 us (p50) and its p99 from 20-40 to 80-95 us; letting both sides poll for
 # 20 us made it 56 us and 100 us made it 220 us (p99 in milliseconds): the poller takes the core
-# the other side needs.
+# the other side needs. Note [Polling before sleeping] says when it pays.
+#
+# Note [Polling before sleeping]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# On a host with idle cores the opposite holds: there a sleeping waiter's core drops into a deep
+# idle state, and waking it through the futex took most of an empty round trip of 30-33 us (p50)
+# on the H200 machine's 16 cores, three times the loaded 2-core machine's. So a wait may poll the
+# semaphore for spin_ns first (sem_trywait between bursts of pause instructions, without the GIL,
+# never past its timeout) and sleep only if nothing came: a rank that just answered a round is
+# then still polling when the next one comes, as during an allocation burst. The spin is set per
+# segment from KVCACHED_TP_SPIN_US (kvcached.tp.shm): by default only where this process may run
+# on at least 4 CPUs, so that the poller never takes the core the other side needs.

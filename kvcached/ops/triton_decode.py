@@ -168,16 +168,18 @@ def _num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device
 def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                         sliding_window: int | None, geometry: CacheGeometry, *,
-                        num_splits: int | None = None) -> torch.Tensor:
+                        num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Launch the decode kernel; arguments already checked by paged_decode. ``num_splits`` None
-    picks one from the batch shape (tests force it)."""
+    picks one from the batch shape (tests force it); ``out`` (the query's shape and dtype) is
+    written instead of a new tensor."""
     batch, heads, head_dim = query.shape
     group = heads // geometry.num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
     block_n = max(16, min(64, _TILE_BYTES // (d_pad * k_cache.element_size())))
     splits = num_splits or _num_splits(batch, geometry.num_kv_heads, block_tables.shape[1] * geometry.block_size,
                                        query.device)
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
     if splits > 1:

@@ -66,8 +66,8 @@ def _attend_chunk(acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, start, kv_lo, kv
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window", "s_table"])   # Note [One compile per model]
-def _prefill_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, starts_ptr, out_ptr, num_seqs,
+@triton.jit(do_not_specialize=["num_seqs", "first_token", "window", "s_table"])   # Note [One compile per model]
+def _prefill_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, starts_ptr, out_ptr, num_seqs, first_token,
                     scale_log2, window,
                     sq_token, sq_head, sq_dim,
                     sk_block, sk_token, sk_head, sk_dim,
@@ -90,13 +90,13 @@ def _prefill_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, starts_ptr, 
     right = num_seqs
     while left < right:
         mid = (left + right) // 2
-        if tl.load(starts_ptr + mid).to(tl.int32) // BLOCK_Q + mid <= tile:
+        if (tl.load(starts_ptr + mid).to(tl.int32) - first_token) // BLOCK_Q + mid <= tile:
             left = mid + 1
         else:
             right = mid
     seq = left - 1
-    q_begin = tl.load(starts_ptr + seq).to(tl.int32)
-    q_len = tl.load(starts_ptr + seq + 1).to(tl.int32) - q_begin
+    q_begin = tl.load(starts_ptr + seq).to(tl.int32) - first_token
+    q_len = tl.load(starts_ptr + seq + 1).to(tl.int32) - first_token - q_begin
     first = (tile - q_begin // BLOCK_Q - seq) * BLOCK_Q      # the tile's first query, within the request
     if first >= q_len:
         return
@@ -178,10 +178,13 @@ def default_tiles(head_dim: int, element_size: int, group: int) -> Tiles:
 def paged_prefill_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                          scale: float, sliding_window: int | None, geometry: CacheGeometry, *,
-                         tiles: Tiles | None = None) -> torch.Tensor:
+                         tiles: Tiles | None = None, out: torch.Tensor | None = None,
+                         first_token: int = 0) -> torch.Tensor:
     """Launch the prefill kernel; arguments already checked by paged_attention (query_start_loc's
     contents are the caller's contract). ``tiles`` None picks them from the shapes (tests force
-    small ones). Reads no tensor's contents on the host."""
+    small ones); ``out`` (the query's shape and dtype) is written instead of a new tensor;
+    ``first_token``: query_start_loc starts there instead of at 0 (the requests after a batch's
+    decode rows, Note [Decode rows of a mixed step]). Reads no tensor's contents on the host."""
     tokens, heads, head_dim = query.shape
     batch = seq_lens.shape[0]
     group = heads // geometry.num_kv_heads
@@ -190,13 +193,15 @@ def paged_prefill_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         raise ValueError(f"block_m={tiles.block_m} holds fewer rows than the GQA group of {group}")
     block_q = tiles.block_m // group
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if tokens == 0:
         return out
     stages = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages} if query.is_cuda else {}
     with device_of(query):
         _prefill_kernel[(tokens // block_q + batch, geometry.num_kv_heads)](
             query, k_cache.data_ptr(), v_cache.data_ptr(), block_tables, seq_lens, query_start_loc, out, batch,
+            first_token,
             scale * LOG2_E, sliding_window or 0,
             *query.stride(), *geometry.k_strides, *geometry.v_strides, block_tables.stride(0), *out.stride(),
             GROUP=group, BLOCK_M=tiles.block_m, BLOCK_Q=block_q, HEAD_DIM=head_dim,

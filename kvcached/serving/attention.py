@@ -37,6 +37,7 @@ class StepMetadata:
     block_tables: torch.Tensor          # [B, max_blocks] int64
     seq_lens: torch.Tensor              # [B] int64, cached tokens including this step's
     query_start_loc: torch.Tensor       # [B + 1] int64
+    num_decodes: int = 0                # the first requests that run one token each
 
 
 _current: contextvars.ContextVar[StepMetadata | None] = contextvars.ContextVar("kvcached_step", default=None)
@@ -78,7 +79,7 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: 
     layout = step.cache.kv_layout
     write_kv(key, value, k_cache, v_cache, step.slot_mapping, kv_layout=layout)
     return paged_attention(query, k_cache, v_cache, step.block_tables, step.seq_lens, step.query_start_loc, scale,
-                           sliding_window=sliding_window, kv_layout=layout)
+                           sliding_window=sliding_window, kv_layout=layout, num_decodes=step.num_decodes)
 
 
 # The same function as an operator torch.compile keeps whole. See Note [A compiled model].

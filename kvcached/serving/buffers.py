@@ -89,7 +89,8 @@ class StepBuffers:
             raise ValueError(f"only a decode-only step (one token per request, each sampled) can be padded; "
                              f"got {tokens} tokens of {batch} requests for {lanes} lanes")
         num_logits = int(sample.sum()) if lanes == batch else lanes
-        sizes = (tokens + lanes - batch, lanes, self.width, num_logits)
+        decodes = lanes if tokens == batch else int((counts != 1).argmax())
+        sizes = (tokens + lanes - batch, lanes, self.width, num_logits, decodes)
         if self._copied is not None:
             self._copied.synchronize()          # a failed step's copy may still read the staging
         length = StepPlan.data_len(sizes)
@@ -122,7 +123,7 @@ class StepBuffers:
             self._copied.record()
         return StepPlan(sizes, self.data[:length])
 
-    def _fields(self, sizes: tuple[int, int, int, int]) -> tuple[np.ndarray, ...]:
+    def _fields(self, sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
         """Numpy views of the staging as a StepPlan of `sizes` lays it out (StepPlan.offsets):
         slicing the numpy array costs a tenth of slicing the tensor and calling .numpy()."""
         bounds = StepPlan.offsets(sizes)

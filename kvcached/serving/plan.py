@@ -1,7 +1,7 @@
 """One packed step of the serving loop as a single int64 tensor, and the model call over it.
 
 The scheduler turns its batch into a StepPlan; every rank that holds a part of the model runs
-``plan.forward(model, cache)``. One flat tensor (plus four sizes) is what a tensor-parallel
+``plan.forward(model, cache)``. One flat tensor (plus five sizes) is what a tensor-parallel
 leader broadcasts to its workers: two messages per step instead of one per field, and one
 host-to-device copy instead of six (kvcached.serving.tp).
 """
@@ -12,33 +12,35 @@ import torch
 
 from .attention import StepMetadata, running_step
 
-NUM_SIZES = 4                   # num_tokens, num_seqs, table_width, num_logits
+NUM_SIZES = 5                   # num_tokens, num_seqs, table_width, num_logits, num_decodes
 
 
 class StepPlan:
     """The inputs of one step: token ids, positions and KV slots per token, block tables, cached
-    lengths and query starts per request, and the positions whose logits are wanted.
+    lengths and query starts per request, and the positions whose logits are wanted;
+    ``num_decodes``: the first requests that run one token each (decode rows, which the
+    attention reads through the decode kernel).
 
     ``data`` is laid out as [input_ids T | positions T | slot_mapping T | seq_lens B |
     query_start_loc B+1 | logits_index K | block_tables B*W]; the properties are views of it.
     """
 
-    def __init__(self, sizes: tuple[int, int, int, int], data: torch.Tensor):
-        self.num_tokens, self.num_seqs, self.table_width, self.num_logits = sizes
+    def __init__(self, sizes: tuple[int, int, int, int, int], data: torch.Tensor):
+        self.num_tokens, self.num_seqs, self.table_width, self.num_logits, self.num_decodes = sizes
         if data.numel() != self.data_len(sizes):
             raise ValueError(f"a step of sizes {sizes} needs {self.data_len(sizes)} int64 values, got {data.numel()}")
         self.data = data
 
     @staticmethod
-    def data_len(sizes: tuple[int, int, int, int]) -> int:
-        tokens, seqs, width, logits = sizes
+    def data_len(sizes: tuple[int, ...]) -> int:
+        tokens, seqs, width, logits = sizes[:4]
         return 3 * tokens + 2 * seqs + 1 + logits + seqs * width
 
     @staticmethod
-    def offsets(sizes: tuple[int, int, int, int]) -> tuple[int, ...]:
+    def offsets(sizes: tuple[int, ...]) -> tuple[int, ...]:
         """Where each field starts in ``data`` (input_ids, positions, slot_mapping, seq_lens,
         query_start_loc, logits_index, block_tables), then its length."""
-        tokens, seqs, width, logits = sizes
+        tokens, seqs, width, logits = sizes[:4]
         seq_lens = 3 * tokens
         logits_index = seq_lens + 2 * seqs + 1
         tables = logits_index + logits
@@ -53,12 +55,14 @@ class StepPlan:
         flat = input_ids + positions + slot_mapping + seq_lens + query_start_loc + logits_index
         for row in block_tables:
             flat += row
-        sizes = (len(input_ids), len(seq_lens), width, len(logits_index))
+        q_lens = [b - a for a, b in zip(query_start_loc, query_start_loc[1:])]
+        decodes = next((r for r, n in enumerate(q_lens) if n != 1), len(q_lens))
+        sizes = (len(input_ids), len(seq_lens), width, len(logits_index), decodes)
         return cls(sizes, torch.tensor(flat, dtype=torch.int64).to(device))
 
     @property
-    def sizes(self) -> tuple[int, int, int, int]:
-        return self.num_tokens, self.num_seqs, self.table_width, self.num_logits
+    def sizes(self) -> tuple[int, int, int, int, int]:
+        return self.num_tokens, self.num_seqs, self.table_width, self.num_logits, self.num_decodes
 
     def _part(self, start: int, length: int) -> torch.Tensor:
         return self.data[start:start + length]
@@ -97,7 +101,8 @@ class StepPlan:
         ``[num_logits, vocab]`` at logits_index (``[0, vocab]`` when logits is False: a rank that
         does not sample skips the LM head)."""
         step = StepMetadata(cache=cache, slot_mapping=self.slot_mapping, block_tables=self.block_tables,
-                            seq_lens=self.seq_lens, query_start_loc=self.query_start_loc)
+                            seq_lens=self.seq_lens, query_start_loc=self.query_start_loc,
+                            num_decodes=self.num_decodes)
         keep = self.logits_index if logits else self.logits_index[:0]
         with torch.inference_mode(), running_step(step):
             out = model(input_ids=self.input_ids.unsqueeze(0), position_ids=self.positions.unsqueeze(0),

@@ -108,7 +108,7 @@ class TensorParallelWorker:
         self.steps = 0
         self._data = torch.empty(0, dtype=torch.int64, device=self.device)    # grows to the largest step
 
-    def _receive(self, sizes: tuple[int, int, int, int]) -> StepPlan:
+    def _receive(self, sizes: tuple[int, int, int, int, int]) -> StepPlan:
         """The leader's plan, broadcast into a prefix of one buffer kept across steps."""
         length = StepPlan.data_len(sizes)
         if self._data.numel() < length:
@@ -135,7 +135,7 @@ class TensorParallelWorker:
 # As in vLLM, one process schedules and the others execute: requests, block ids, preemption and
 # sampling exist only on rank 0, so the ranks never have to agree on anything but the step they
 # are told. A step is two broadcasts from rank 0 over the model's group: a header (command and
-# the four sizes, 40 bytes) and the StepPlan's one int64 tensor, both on the model's device
+# the five sizes, 48 bytes) and the StepPlan's one int64 tensor, both on the model's device
 # (NCCL on GPUs, gloo on CPU). Each rank then runs its shard; the two all-reduces per layer inside
 # the forward keep the ranks in lockstep, and only rank 0 computes logits (the workers ask for
 # none, skipping the LM head). Greedy tokens never travel back: the next plan carries them.

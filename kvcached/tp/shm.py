@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 
+from ..config import settings
 from ..core.rounds import RoundSegment
 from ..errors import KVCachedConfigError
 from ..shm.files import SHM_DIR, create_exclusive, own_identity, owner_alive
@@ -23,6 +24,17 @@ CAPACITY_IDS = 1 << 20          # page ids per request: every page of a table (2
 LEADER_SLICE_S = 0.02           # rank 0 checks that a silent peer still lives this often
 FOLLOWER_SLICE_S = 0.2          # a serving rank checks that rank 0 still lives this often
 FILE_PREFIX = "kvcached-tp."
+AUTO_SPIN_US = 50               # KVCACHED_TP_SPIN_US=auto on a host of AUTO_SPIN_MIN_CPUS or more
+AUTO_SPIN_MIN_CPUS = 4
+
+
+def spin_ns() -> int:
+    """How long a wait of this process polls before it sleeps, from KVCACHED_TP_SPIN_US. See
+    Note [Polling before sleeping] in kvcached/core/rounds.pyx."""
+    spin_us = settings().tp_spin_us
+    if spin_us == "auto":
+        spin_us = AUTO_SPIN_US if len(os.sched_getaffinity(0)) >= AUTO_SPIN_MIN_CPUS else 0
+    return int(spin_us) * 1000
 
 
 class ShmChannel(LinkBase):
@@ -32,6 +44,7 @@ class ShmChannel(LinkBase):
 
     def __init__(self, segment: RoundSegment, rank: int, timeout_s: float, path: str = "") -> None:
         self.segment = segment
+        segment.spin_ns = spin_ns()
         self.rank = rank
         self.world_size = segment.world_size
         self.timeout_s = timeout_s
