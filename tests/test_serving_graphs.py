@@ -232,6 +232,23 @@ def test_packed_plan_counts_its_leading_decode_rows(counts):
     assert plan.num_decodes == next((i for i, n in enumerate(counts) if n != 1), len(counts))
 
 
+def test_repeated_sizes_reuse_the_plan_with_the_new_values():
+    """Consecutive packs of equal sizes hand out one StepPlan (views of the same buffer) that
+    shows the last pack's values; after a pack of other sizes the views are those sizes' again."""
+    buffers = StepBuffers(max_running=4, max_tokens_per_step=8, width=3, block_size=4, device=torch.device("cpu"),
+                          pad_block=9)
+    rows = np.array([buffers.take_row(blocks) for blocks in ([1], [2, 3])])
+    ones, sampled = np.ones(2, np.int64), np.ones(2, bool)
+    first = buffers.pack(rows, np.array([1, 5]), ones, sampled, [7, 8])
+    mixed = buffers.pack(rows, np.array([0, 4]), np.array([1, 2]), sampled, [1, 2, 3])
+    assert mixed.sizes != first.sizes and mixed.input_ids.tolist() == [1, 2, 3]
+    again = buffers.pack(rows, np.array([2, 6]), ones, sampled, [17, 18])
+    assert again.sizes == first.sizes and again.input_ids.tolist() == [17, 18] and again.positions.tolist() == [2, 6]
+    assert again.slot_mapping.tolist() == [1 * 4 + 2, 3 * 4 + 2] and again.seq_lens.tolist() == [3, 7]
+    assert buffers.pack(rows, np.array([3, 7]), ones, sampled, [27, 28]) is again
+    assert again.input_ids.tolist() == [27, 28] and again.logits_index.tolist() == [0, 1]
+
+
 def test_padded_plan_lanes():
     """A decode step of 3 requests padded to 4 lanes: the real lanes first (their slots from the
     rows), then a lane of token 0 at position 0, slot -1, length 1 and a row of pad blocks."""
