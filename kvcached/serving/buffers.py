@@ -47,10 +47,10 @@ class StepBuffers:
         self.tokens = torch.empty(max_running, dtype=torch.int64, pin_memory=cuda)
         self._tokens = self.tokens.numpy()
         self._copied = torch.cuda.Event() if cuda else None
+        self._sampled = torch.cuda.Event() if cuda else None
         self._last_sizes: tuple[int, ...] | None = None     # the sizes of the last pack, its views and plan
         self._last_fields: tuple[np.ndarray, ...] = ()
         self._last_plan: StepPlan | None = None
-        self._sampled = torch.cuda.Event() if cuda else None
 
     # -- the block-table mirror ----------------------------------------------------------------
     def take_row(self, blocks: list[int]) -> int:
@@ -97,7 +97,8 @@ class StepBuffers:
         if self._copied is not None:
             self._copied.synchronize()          # a failed step's copy may still read the staging
         if sizes != self._last_sizes:           # decode steps repeat their sizes: See Note [Step buffers]
-            self._last_fields, self._last_plan = self._fields(sizes), StepPlan(sizes, self.data[:StepPlan.data_len(sizes)])
+            self._last_fields = self._fields(sizes)
+            self._last_plan = StepPlan(sizes, self.data[:StepPlan.data_len(sizes)])
             self._last_sizes = sizes
         ids, positions, slots, seq_lens, starts, logits, tables = self._last_fields
         if tokens == batch:                     # one token each (decode): no repeats, no cumsum
@@ -163,8 +164,9 @@ class StepBuffers:
 # rows, up to the column of the batch's longest request: the columns past it keep what an
 # earlier step left in the staging (block ids of then, or the pad block), which no kernel reads
 # (Note [Block table contract] in kvcached.ops.attention: a row is read up to its sequence
-# length). At width 512 and batch 256 the full gather alone cost 0.3 ms of host time. The table width is the loop's (ceil(max_tokens / block_size)), so a step's layout
-# depends only on its sizes, and a padded decode step of a given lane count always has its
+# length). At width 512 and batch 256 the full gather alone cost 0.3 ms of host time. The table
+# width is the loop's (ceil(max_tokens / block_size)), so a step's layout depends only on its
+# sizes, and a padded decode step of a given lane count always has its
 # fields at the same addresses of the device buffer: the CUDA graphs of kvcached.serving.graphs
 # read them there.
 #
