@@ -3,8 +3,10 @@
 #   build in place, the `gpu` tests, the whole CPU suite, then the benchmarks on the GPU:
 #   bench_vmm, bench_alloc, bench_manager (JSON in $OUT), the pytest-benchmark suite
 #   ($OUT/bench_<date>_<commit>.json), and bench_handover / bench_sharing / bench_layout /
-#   bench_attention / bench_serve when they exist; the demo's PNG lands in $OUT too.
-#   About 5-7 minutes on the H200.
+#   bench_attention / bench_serve / bench_share / bench_tp (host cores) when they exist; the
+#   demo's PNG lands in $OUT too. About 20 minutes on the H200 with every step (bench_serve's
+#   compiled model and bench_share's three setups at two rates take most of it): split it over
+#   calls with GPU_CHECK_STEPS.
 # Every step logs to $OUT/<step>.log; a failing step does not stop the next; a summary ends it and
 # the exit status is the number of failed steps (0 = all passed).
 #
@@ -110,6 +112,21 @@ step_bench_serve() {
             --requests 256 --prompt 512 --new 256 --json "$OUT/bench_serve_e2e.json"
 }
 
+step_bench_share() {
+    # three 8B-shaped instances under one budget, at an offered load below (6/s) and above (8/s)
+    # what they produce together on an H200; then a share change over 2 MiB pages
+    "$PYTHON" benchmarks/bench_share.py --seconds 30 --period 15 --rate 6 --budget 6G \
+        --json "$OUT/bench_share_rate6.json" --png "$OUT/bench_share_rate6.png" &&
+        "$PYTHON" benchmarks/bench_share.py --seconds 30 --period 15 --rate 8 --budget 6G \
+            --json "$OUT/bench_share_rate8.json" --png "$OUT/bench_share_rate8.png" &&
+        "$PYTHON" benchmarks/bench_share_change.py --device cuda --rounds 20 --json "$OUT/bench_share_change.json"
+}
+
+step_bench_tp() {
+    # the shared-memory rounds on this machine's host cores (host backend), beside gloo
+    "$PYTHON" benchmarks/bench_tp.py --device cpu --json "$OUT/bench_tp_host.json"
+}
+
 step_bench_attention() {
     "$PYTHON" benchmarks/bench_attention.py --json "$OUT/bench_attention.json"
 }
@@ -124,7 +141,7 @@ step_bench_sharing() {
 
 STEPS=(env build demo gpu_tests cpu_tests bench_vmm bench_alloc bench_manager pytest_bench)
 # others' benchmarks, when they exist
-for optional in bench_handover bench_sharing bench_layout bench_attention bench_serve; do
+for optional in bench_handover bench_sharing bench_layout bench_attention bench_serve bench_share bench_tp; do
     [[ -f "benchmarks/$optional.py" ]] && STEPS+=("$optional")
 done
 # GPU_CHECK_STEPS="gpu_tests bench_vmm" runs a subset (e.g. when already built).
