@@ -595,7 +595,8 @@ class ServingLoop:
                 request.num_cached = request.most_cached = request.num_cached + 1
             further = True
             counters.cached[rows] += 1
-            counters.length[rows] += 1
+            length = counters.length[rows] + 1
+            counters.length[rows] = length
             counters.last[rows] = tokens
         else:
             further = False
@@ -610,7 +611,8 @@ class ServingLoop:
             sampled_rows = rows[batch.sample]
             counters.length[sampled_rows] += 1
             counters.last[sampled_rows] = tokens
-        finished = np.flatnonzero(counters.length[rows] >= counters.end[rows]).tolist()
+            length = counters.length[rows]
+        finished = np.flatnonzero(length >= counters.end[rows]).tolist()
         done = [requests[i] for i in finished]
         for i in reversed(finished):
             del self.running[i]                     # requests is a prefix of running
