@@ -78,8 +78,11 @@ def hybrid_kv_cache_config(hf_config, model_dir, layout: KVCacheLayout) -> tuple
     hf_config.save_pretrained(model_dir)
     model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128)
     assert model_config.is_hybrid, model_config.architecture
-    vllm_config = VllmConfig(model_config=model_config,
-                             cache_config=CacheConfig(block_size=16, num_gpu_blocks_override=NUM_BLOCKS))
+    # The SSM state in float32, as vLLM's CPU platform sets it where the CPU has AVX512-BF16 and
+    # leaves it at the model's dtype elsewhere: so the pages (Granite's 12 KiB) are the same on
+    # every machine.
+    cache_config = CacheConfig(block_size=16, num_gpu_blocks_override=NUM_BLOCKS, mamba_ssm_cache_dtype="float32")
+    vllm_config = VllmConfig(model_config=model_config, cache_config=cache_config)
     current_platform._align_hybrid_block_size(vllm_config, CPUAttentionBackend)
     cache = vllm_config.cache_config
     model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
