@@ -506,10 +506,11 @@ def main() -> None:
             + blocks_for(setup.steps + 1, mixed_prompt(setup) + 2)                      # a mixed step's run
         num_blocks = max(mixed, blocks_for(setup.requests, setup.prompt + setup.new)) + 1     # + a loop's pad block
         caches = make_caches(model, setup, num_blocks)
-        unknown = set(args.caches.split(",")) - set(caches)
-        if unknown:
-            raise SystemExit(f"--caches {args.caches}: {', '.join(sorted(unknown))} unknown; use static, kvcached")
-        for name in set(caches) - set(args.caches.split(",")):
+        wanted = set(args.caches.split(","))
+        if wanted - set(caches):
+            raise SystemExit(f"--caches {args.caches}: {', '.join(sorted(wanted - set(caches)))} unknown; use static, "
+                             f"kvcached")
+        for name in set(caches) - wanted:
             caches.pop(name).close()
         if "kvcached" in caches:
             print(f"{num_blocks} blocks per cache; kvcached layout {caches['kvcached'].manager.layout}", flush=True)

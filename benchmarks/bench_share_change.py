@@ -30,12 +30,12 @@ POLL_S = 0.0005
 PAGES = 8                       # the budget, in page ids; B asks for half
 BLOCK_SIZE, CELL_BYTES, LAYERS = 16, 64, 2
 PAGE_BYTES = {"cpu": 64 << 10, "cuda": 2 << 20}     # one KV buffer's page on each backend
+TIMEOUT_S = 30.0
 
 
 def num_blocks(device: str) -> int:
     """Blocks of a cache twice the budget: PAGES page ids are half its pages on either backend."""
     return 2 * PAGES * PAGE_BYTES[device.split(":")[0]] // (BLOCK_SIZE * CELL_BYTES)
-TIMEOUT_S = 30.0
 
 
 def _manager(device: str, budget: str, name: str, group: int):

@@ -115,8 +115,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if starts[0] != 0 or starts[-1] != tokens or min(lens, default=1) < 1:
         raise ValueError(f"query_start_loc={starts} must rise from 0 to the {tokens} query tokens, "
                          f"each request having at least one")
-    if any(n != 1 for n in lens[:num_decodes]):
-        r = next(r for r, n in enumerate(lens[:num_decodes]) if n != 1)
+    r = next((r for r, n in enumerate(lens[:num_decodes]) if n != 1), None)
+    if r is not None:
         raise KVCachedArgumentError(f"num_decodes={num_decodes} but request {r} has {lens[r]} queries; the first "
                                     f"num_decodes requests must have one query each (pass 0 when unsure)")
     lens_cached = seq_lens.tolist()
