@@ -44,6 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 BLOCK_SIZE = 16
+# the end-to-end warm-up serves the whole run's prompts with this many new tokens: every prefill
+# and mixed step shape the timed run meets is compiled before it (a compiled model recompiles
+# for a new shape class, seconds each; an engine does that at start-up)
+WARMUP_NEW_TOKENS = 4
 # ServingLoop's options per mode
 MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True},
          "compiled": {"cuda_graphs": True, "compile_model": True}}
@@ -277,8 +281,8 @@ def bench_end_to_end(model, caches, setup: Setup, *, generate_batch: bool = True
     rows = []
     outputs = {}
     for cache in caches.values():                       # warm-up: kernels compiled, allocator pools filled
-        for mode in setup.modes:
-            run_loop(model, cache, work[:20], 3, mode)  # (prefill, mixed and decode steps of up to 20)
+        for mode in setup.modes:                        # (every prefill and mixed step shape of the run)
+            run_loop(model, cache, work, WARMUP_NEW_TOKENS, mode)
     for mode in setup.modes:
         for name, cache in caches.items():
             seconds, outputs[name, mode], stats = run_loop(model, cache, work, setup.new, mode)

@@ -190,12 +190,12 @@ def instance(index: int, setup: Setup, env: dict, limit: int | None, arrivals: l
     finally:
         stop.set()
         sampler.join()
-        preemptions = loop.stats.preemptions
+        preemptions, moved = loop.stats.preemptions, loop.stats.blocks_moved
         loop.close()
         cache.close()
     requests = [{"arrival": arrivals[i], "first": first.get(rid), "finish": finish.get(rid)} for rid, i in ids.items()]
     results.put({"model": index, "requests": requests, "tokens": tokens, "preemptions": preemptions,
-                 "samples": samples})
+                 "blocks_moved": moved, "samples": samples})
 
 
 # -- one setup --------------------------------------------------------------------------------------
@@ -258,7 +258,7 @@ def summarize(name: str, out: dict[int, dict], trace: list[list[float]]) -> dict
         rows.append({"setup": name, "model": m, "arrived": len(trace[m]), "finished": len(finished),
                      "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
                      "tokens": r["tokens"], "tokens_per_s": r["tokens"] / span if span > 0 else None,
-                     "preemptions": r["preemptions"], "peak_mapped": max((b for _, b in r["samples"]), default=0)})
+                     "preemptions": r["preemptions"], "blocks_moved": r["blocks_moved"], "peak_mapped": max((b for _, b in r["samples"]), default=0)})
     return {"setup": name, "rows": rows, "samples": {m: out[m]["samples"] for m in range(MODELS)}}
 
 
@@ -268,9 +268,9 @@ def print_table(results: list[dict], setup: Setup) -> None:
     print(f"\n3 instances, budget {setup.budget / (1 << 20):.1f} MiB, on/off Poisson {setup.rate:g}/s "
           f"(on {setup.on:.0%} of {setup.period:g} s, staggered), {setup.seconds:g} s of arrivals, "
           f"prompt {setup.prompt} + {setup.new} new")
-    print("| setup | model | TTFT p50 (ms) | TTFT p99 (ms) | tokens/s | preemptions | finished / arrived | "
-          "peak mapped (MiB) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| setup | model | TTFT p50 (ms) | TTFT p99 (ms) | tokens/s | preemptions | blocks moved | "
+          "finished / arrived | peak mapped (MiB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def ms(v):
         return "-" if v is None else f"{v:.0f}"
@@ -278,7 +278,7 @@ def print_table(results: list[dict], setup: Setup) -> None:
         for r in res["rows"]:
             rate = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
             print(f"| {r['setup']} | {r['model']} | {ms(r['ttft_p50_ms'])} | {ms(r['ttft_p99_ms'])} | {rate} | "
-                  f"{r['preemptions']} | {r['finished']} / {r['arrived']} | {r['peak_mapped'] / (1 << 20):.2f} |")
+                  f"{r['preemptions']} | {r['blocks_moved']} | {r['finished']} / {r['arrived']} | {r['peak_mapped'] / (1 << 20):.2f} |")
 
 
 def plot(results: list[dict], setup: Setup, trace: list[list[float]], path: str) -> None:

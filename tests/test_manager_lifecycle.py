@@ -74,6 +74,7 @@ def public_calls(m) -> dict:
         "stats": m.stats, "check_invariants": m.check_invariants, "set_stream": lambda: m.set_stream(0),
         "report_demand": lambda: m.report_demand(1), "over_limit_blocks": m.over_limit_blocks, "share": m.share,
         "over_limit_pages": m.over_limit_pages, "pages_of": lambda: m.pages_of(ids),
+        "plan_compaction": lambda: m.plan_compaction(ids),
     }
     methods = {name for name, _ in inspect.getmembers(KVCacheManager, inspect.isfunction) if not name.startswith("_")}
     assert set(calls) == methods - {"close"}, "a public method is missing from this test"

@@ -269,6 +269,53 @@ def test_a_cap_below_the_mapped_pages_empties_whole_pages_at_once(elastic, budge
     assert seen["after"] <= seen["limit"], seen
 
 
+class FitLimit:
+    """A `during` hook for serve(): at the first step where no request waits and the cache maps
+    more pages than its live blocks and one more block per running request need, the limit drops
+    to that; one step later `seen` records what the step did (blocks moved, preemptions, memory)
+    and the limit goes. Requests of different lengths leave pages partly used as they finish.
+    With nobody waiting, the squeezed step runs the same batch as it would without the limit."""
+
+    def __init__(self, loop: ServingLoop, cache: ElasticKVCache):
+        self.loop, self.cache, self.seen = loop, cache, {}
+
+    def __call__(self, step: int) -> None:
+        manager, seen = self.cache.manager, self.seen
+        if "limit" not in seen:
+            stats = manager.stats()
+            per_page = stats["total_blocks"] // manager.num_pages
+            fits = -(-stats["allocated"] // per_page) + -(-len(self.loop.running) // per_page)
+            if self.loop.running and not self.loop.waiting and stats["owned_pages"] > fits:
+                seen.update(limit=fits * manager.page_bytes, mapped=self.cache.mapped_bytes(),
+                            preempted=self.loop.stats.preemptions)
+                manager.set_memory_limit(fits * manager.page_bytes, revision=1)
+        elif "after" not in seen:
+            seen.update(after=self.cache.mapped_bytes(), moved=self.loop.stats.blocks_moved,
+                        preempted_after=self.loop.stats.preemptions)
+            manager.set_memory_limit(-1, revision=2)
+
+    def check(self) -> None:
+        """The step under the limit moved blocks, preempted nobody and met the limit."""
+        seen = self.seen
+        assert "after" in seen, "the workload never left pages partly used"
+        assert seen["moved"] > 0 and seen["preempted_after"] == seen["preempted"], seen
+        assert seen["after"] <= seen["limit"] < seen["mapped"], seen
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_cap_the_live_blocks_fit_moves_blocks_instead_of_preempting(elastic, budget_name, layout):
+    """The limit drops below the mapped pages but stays above what the live blocks need
+    (FitLimit): the next step empties pages by moving blocks into the others' free slots and
+    preempts nobody (before, every holder of an emptied page was preempted), and every request
+    still finishes with generate's tokens: the moved K/V are the right ones, in every layout."""
+    cache = elastic("llama", layout=layout, GLOBAL_BUDGET=budget_name, GLOBAL_BUDGET_BYTES="1G")
+    requests = workload(seed=11, count=24, longest=20, max_new=40)
+    loop = ServingLoop(serving_model("llama"), cache)
+    squeeze = FitLimit(loop, cache)
+    check_tokens("llama", requests, serve(loop, requests, during=squeeze))
+    squeeze.check()
+
+
 def test_two_loops_share_a_fair_budget_and_lose_nothing(kv_env, budget_name):
     """The fair policy: loop A alone maps the whole budget; once loop B has requests waiting, A is
     capped at about half, preempts at once what it holds beyond that, and B maps at least a third

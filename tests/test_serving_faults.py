@@ -25,7 +25,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_serving import BLOCK_SIZE, FAMILIES, LAYOUTS, serving_model, workload
+from test_serving import BLOCK_SIZE, FAMILIES, LAYOUTS, FitLimit, check_tokens, serving_model, workload
 from test_serving import elastic, one_thread  # noqa: F401 (fixtures, used by name)
 
 from kvcached import shutdown_kvcached
@@ -89,10 +89,11 @@ def failing(model, faults=(), error: type[BaseException] = Injected):
             handle.remove()
 
 
-def serve_stepping(loop: ServingLoop, requests, catch=()) -> tuple[dict[int, list[int]], int]:
+def serve_stepping(loop: ServingLoop, requests, catch=(), during=None) -> tuple[dict[int, list[int]], int]:
     """Add each request once the loop has run as many steps as its arrival says, call step()
     until every one finished, again after each exception of the `catch` types, checking the
-    loop's invariants after every step. Returns ({index in requests: tokens}, failed steps)."""
+    loop's invariants after every step; `during(steps)` runs before each. Returns ({index in
+    requests: tokens}, failed steps)."""
     ids: dict[int, int] = {}
     results: dict[int, list[int]] = {}
     failures = 0
@@ -102,6 +103,8 @@ def serve_stepping(loop: ServingLoop, requests, catch=()) -> tuple[dict[int, lis
             ids[loop.add_request(prompt, max_new)] = len(ids)
         if len(ids) == len(requests) and not loop.has_work():
             return results, failures
+        if during is not None:
+            during(loop.stats.steps)
         try:
             finished = loop.step()
         except catch:
@@ -193,6 +196,31 @@ def test_failed_steps_over_kvcached_memory_are_redone(elastic, point):
             results, failures = serve_stepping(loop, requests, catch=Injected)
         assert failures == len(done.raised) == 3
     assert results == expected
+    assert cache.manager.stats()["allocated"] == 0
+
+
+def test_moves_whose_unmaps_fail_lose_nothing(elastic, budget_name):
+    """Blocks move under a lowered limit (FitLimit) while the backend's unmaps fail: the emptied
+    pages stay pending (mapped, counted) until a later drain, every request finishes with
+    generate's tokens, and the loop's and the allocator's invariants hold after every step."""
+    cache = elastic("llama", GLOBAL_BUDGET=budget_name, GLOBAL_BUDGET_BYTES="1G")
+    requests = workload(seed=11, count=24, longest=20, max_new=40)
+    loop = ServingLoop(serving_model("llama"), cache)
+    squeeze = FitLimit(loop, cache)
+    backend = runtime().backend
+
+    def during(step: int) -> None:
+        limited = "limit" in squeeze.seen
+        squeeze(step)
+        if not limited and "limit" in squeeze.seen:
+            backend.inject_fault("unmap", after=0, times=3)
+
+    try:
+        results, failures = serve_stepping(loop, requests, during=during)
+    finally:
+        backend.inject_fault("unmap", after=-1)
+    check_tokens("llama", requests, results)
+    assert squeeze.seen["moved"] > 0 and cache.manager._pages.stats()["num_unmap_failures"] >= 1
     assert cache.manager.stats()["allocated"] == 0
 
 

@@ -17,11 +17,11 @@ import test_serving
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serving import FAMILIES, NUM_BLOCKS, expected, serving_model, workload
+from test_serving import FAMILIES, NUM_BLOCKS, FitLimit, expected, serving_model, workload
 from test_serving_faults import Injected, failing, fault_points, serve_stepping
 
 from kvcached import core, init_kvcached, shutdown_kvcached
-from kvcached.serving import ElasticKVCache, ServingLoop, StaticKVCache, StepBuffers, build_model
+from kvcached.serving import ATTENTION_NAME, ElasticKVCache, ServingLoop, StaticKVCache, StepBuffers, build_model, model_config
 from kvcached.serving.graphs import decode_buckets
 
 BATCHES = (1, 3, 8, 9, 17)
@@ -356,6 +356,53 @@ def test_gpu_graphs_match_the_eager_loop(kv_env, family):
     replayed, stats = gpu_serve(model, requests, graphs=True, squeeze=True)
     assert eager_stats.runner_steps == 0 and stats.graph_replays > 0
     assert replayed == eager
+
+
+def wide_kv_model():
+    """The tiny Llama with 4 KV heads of 256 in bf16 on cuda:0: 32 KiB per layer's K of a
+    16-token block, so that a 2 MiB page holds 16 block ids (interleaved, 2 layers) and a few
+    requests fill one."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config("llama")
+    config.num_attention_heads = config.num_key_value_heads = 4
+    config.head_dim = 256
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation=ATTENTION_NAME)
+    return model.eval()
+
+
+def serve_squeezed(model, requests, squeeze: bool) -> tuple[dict[int, list[int]], FitLimit | None]:
+    """Serve over a budgeted ElasticKVCache on cuda:0 with graphs, FitLimit applied if `squeeze`."""
+    init_kvcached(device="cuda:0")
+    cache = ElasticKVCache(model.config, 512, block_size=16, dtype=torch.bfloat16, device="cuda:0")
+    loop = ServingLoop(model, cache, max_running=20)
+    hook = FitLimit(loop, cache) if squeeze else None
+    try:
+        results = test_serving.serve(loop, requests, during=hook)
+        loop.check_invariants()
+        assert loop.stats.graph_replays > 0
+        return results, hook
+    finally:
+        loop.close()
+        shutdown_kvcached()
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_moved_blocks_give_the_same_tokens(kv_env, budget_name):
+    """bf16 with graphs: blocks moved under a lowered limit (FitLimit: copies on the loop's
+    stream, then the old pages unmapped behind their fence) give the tokens of the same run
+    without the limit, bit for bit (the same batches, the same kernels; only block ids differ)."""
+    kv_env(LAYOUT="auto", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=1, GLOBAL_BUDGET=budget_name,
+           GLOBAL_BUDGET_BYTES="4G")
+    model = wide_kv_model()
+    requests = gpu_workload(seed=21)
+    plain, _ = serve_squeezed(model, requests, squeeze=False)
+    moved, hook = serve_squeezed(model, requests, squeeze=True)
+    hook.check()
+    assert moved == plain
 
 
 @pytest.mark.gpu

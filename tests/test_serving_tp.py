@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serving import serve, serving_model, workload
+from test_serving import FitLimit, serve, serving_model, workload
 
 from kvcached import init_kvcached, shutdown_kvcached
 from kvcached.config import reload_settings
@@ -87,6 +87,7 @@ class Scenario:
     block_size: int = BLOCK_SIZE
     max_batch_tokens: int = MAX_BATCH_TOKENS
     fail_at_step: int | None = None     # rank 0 raises inside the loop's with block at this step
+    budget: str | None = None           # a global budget (elastic): rank 0 applies FitLimit, blocks move
 
 
 class LeaderFailure(Exception):
@@ -105,12 +106,13 @@ def _rank(rank: int, world_size: int, store: str, out: str, scenario: Scenario) 
         model = shard_model(build_model(scenario.family, device=device), rank, world_size)
         config = shard_config(model.config, model.kvcached_shard)
         if scenario.elastic:
-            for name, value in ELASTIC_ENV.items():
+            env = ELASTIC_ENV | ({"GLOBAL_BUDGET": scenario.budget, "GLOBAL_BUDGET_BYTES": "1G"} if scenario.budget else {})
+            for name, value in env.items():
                 os.environ[f"KVCACHED_{name}"] = value
             reload_settings()
             init_kvcached(tp_rank=rank, world_size=world_size, device=str(device),
                           page_size_bytes=PAGE_BYTES if device.type == "cpu" else None)
-            num_blocks = ELASTIC_BLOCKS if scenario.limit_pages_at else scenario.num_blocks
+            num_blocks = ELASTIC_BLOCKS if scenario.limit_pages_at or scenario.budget else scenario.num_blocks
             cache = ElasticKVCache(config, num_blocks, block_size=scenario.block_size, device=device)
         else:
             cache = StaticKVCache(config, scenario.num_blocks, block_size=scenario.block_size, device=device)
@@ -127,6 +129,7 @@ def _rank(rank: int, world_size: int, store: str, out: str, scenario: Scenario) 
 
 def _lead(model, cache, scenario: Scenario) -> dict:
     limit = []
+    squeeze = None
 
     def during(step: int) -> None:
         if step == scenario.fail_at_step:
@@ -135,9 +138,12 @@ def _lead(model, cache, scenario: Scenario) -> dict:
             limit.append(scenario.limit_pages_at[1] * cache.manager.page_bytes)
             assert cache.mapped_bytes() > limit[0], f"the limit must bite: {cache.mapped_bytes()} bytes mapped"
             cache.manager.set_memory_limit(limit[0], revision=1)
+        if squeeze is not None:
+            squeeze(step)
 
     try:
         with TensorParallelLoop(model, cache, max_batch_tokens=scenario.max_batch_tokens) as loop:
+            squeeze = FitLimit(loop, cache) if scenario.budget else None
             results = serve(loop, scenario.requests, during=during)
     except LeaderFailure as exc:
         return {"raised": str(exc), "steps": loop.steps_sent}
@@ -146,6 +152,8 @@ def _lead(model, cache, scenario: Scenario) -> dict:
     if scenario.elastic:
         report.update(allocated=cache.manager.stats()["allocated"], mapped=cache.mapped_bytes(),
                       limit=limit[0] if limit else None)
+    if squeeze is not None:
+        report["squeeze"] = squeeze.seen
     return report
 
 
@@ -222,6 +230,21 @@ def test_tp2_over_elastic_kvcached_matches_tp1(tmp_path):
     assert leader["results"] == tp1_tokens("llama", requests)[0]
     assert leader["preemptions"] > 0 and leader["allocated"] == 0
     assert leader["mapped"] <= leader["limit"]
+    assert reports[1]["steps"] == leader["steps"]
+
+
+@pytest.mark.slow
+def test_tp2_moves_blocks_on_every_rank(tmp_path, budget_name):
+    """Under a fair budget at TP = 2 the leader empties pages by moving blocks (FitLimit): every
+    rank copies them before the old pages go, so the tokens are still TP = 1's. A worker that
+    did not copy would read stale K/V, one that still read an unmapped page would fault."""
+    requests = workload(seed=11, count=24, longest=20, max_new=40)
+    reports = run_tp(tmp_path, 2, Scenario("llama", requests, elastic=True, budget=budget_name))
+    leader = reports[0]
+    seen = leader["squeeze"]
+    assert seen["moved"] > 0 and seen["preempted_after"] == seen["preempted"], seen
+    assert seen["after"] <= seen["limit"] < seen["mapped"], seen
+    assert leader["results"] == tp1_tokens("llama", requests, num_blocks=ELASTIC_BLOCKS)[0]
     assert reports[1]["steps"] == leader["steps"]
 
 

@@ -118,6 +118,9 @@ class BlockAllocator(BlockSlots):
     def try_to_reserve(self, n: SupportsIndex) -> bool:
         """Hold `n` more blocks for the next allocs; False (nothing changed) when out of memory or n is
         above total_blocks; ValueError for n < 0."""
+    def alloc_on(self, page_id: SupportsIndex, n: SupportsIndex) -> list[int] | None:
+        """`n` free ids of an in-use page, mapping nothing; None (nothing changed) when the page is not
+        in use or has fewer free ids; MappingError for a page id out of range."""
     def free_reserved(self) -> None:
         """Free every held block (pages that become empty go back)."""
     def clear(self) -> None:

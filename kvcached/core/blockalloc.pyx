@@ -657,6 +657,50 @@ cdef class BlockAllocator(BlockSlots):
             free(out)
         return rc == 0
 
+    def alloc_on(self, page_id, n):
+        """`n` free ids of page `page_id`, which must be in use (mapped, holding live blocks): a
+        list, or None with nothing changed when the page is not in use or has fewer free ids.
+        Maps nothing, so no limit or budget applies: the destinations of moved blocks
+        (KVCacheManager.plan_compaction). Raises MappingError for a page id out of range,
+        ValueError / TypeError for a bad n. O(n)."""
+        cdef int32_t stack_ids[_STACK_IDS]
+        cdef int32_t* out = stack_ids
+        cdef int32_t p
+        cdef long long count
+        self._check_live()
+        page = _index(page_id)
+        if not 0 <= page < self.num_pages:
+            raise MappingError(f"page id {page} is out of range [0, {self.num_pages})")
+        p = page
+        count = self._checked_count(n, "alloc_on")
+        if count <= 0:
+            return [] if count == 0 else None
+        if count > _STACK_IDS:
+            out = <int32_t*>malloc(count * sizeof(int32_t))
+            if out == NULL:
+                raise MemoryError
+        try:
+            self._lock()
+            if not self.page_owned[p] or self.page_free[p] < count:
+                pthread_mutex_unlock(&self.lock)
+                return None
+            self._take_from(p, <int>count, out)
+            self.num_allocated += count
+            self.num_allocs += 1
+            pthread_mutex_unlock(&self.lock)
+            result = PyList_New(count)
+            try:
+                kvc_fill_id_list(result, out, count, self.id_objs, self.id_objs_len)
+            except MemoryError:
+                self._run_free(<int>count, out)     # never a partial result: give the ids back
+                raise
+            if self.debug_checks:
+                self.check_invariants()
+            return result
+        finally:
+            if out != stack_ids:
+                free(out)
+
     cdef long long _checked_count(self, object n, str what) except -2:
         # alloc's and try_to_reserve's count: n in [0, total_blocks]; -1 for one above it, of any
         # size (a failed alloc, counted, nothing else changed: the caller answers None / False);

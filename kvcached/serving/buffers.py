@@ -64,7 +64,8 @@ class StepBuffers:
         return row
 
     def append(self, row: int, start: int, blocks: list[int]) -> None:
-        """Write `blocks`, appended to a request that held `start` blocks, into its row."""
+        """Write `blocks` into a row from column `start`: those appended to a request that held
+        `start` blocks, or (start 0) all of a request's blocks again after some moved."""
         self._tables[row, start:start + len(blocks)] = blocks
 
     def give_row(self, row: int) -> None:

@@ -92,6 +92,21 @@ class PagedKVCache:
         a static cache's blocks are their own pages."""
         return list(ids)
 
+    def plan_compaction(self, pinned: list[int]) -> dict[int, int]:
+        """{old id: new id}: blocks to move so that the pages beyond the cap empty without
+        preemption, the new ids allocated (KVCacheManager.plan_compaction); {} for a static
+        cache, which has no pages to give back."""
+        return {}
+
+    def copy_blocks(self, old: list[int], new: list[int]) -> None:
+        """Copy blocks old[i] to new[i] (K and V, every layer), queued on the current stream."""
+        if not old:
+            return
+        device = self.kv[0].device
+        source, target = (torch.tensor(ids, dtype=torch.int64, device=device) for ids in (old, new))
+        for kv in self.kv:
+            kv[:, target] = kv[:, source]
+
     def mapped_bytes(self) -> int:
         """Device memory the cache holds now."""
         raise NotImplementedError
@@ -241,6 +256,9 @@ class ElasticKVCache(PagedKVCache):
 
     def pages_of(self, ids: list[int]) -> list[int]:
         return self._scheduler().pages_of(ids)
+
+    def plan_compaction(self, pinned: list[int]) -> dict[int, int]:
+        return self.manager.plan_compaction(pinned) if self.shares_budget else {}
 
     def mapped_bytes(self) -> int:
         """Memory the cache holds now; under tensor parallelism, rank 0 counts every rank's."""

@@ -65,6 +65,7 @@ class LoopStats:
     waiting: int = 0
     finished: int = 0
     preemptions: int = 0
+    blocks_moved: int = 0           # blocks moved to empty pages instead of preempting (Note [Fair share in the loop])
     generated_tokens: int = 0
     steps: int = 0
     step_tokens: int = 0            # tokens the last step ran through the model
@@ -436,15 +437,52 @@ class ServingLoop:
 
     def _follow_budget(self) -> bool:
         """Under a global budget: report what the waiting requests need as demand, and give back
-        at once what the cache holds beyond its fair share, preempting the newest requests; True
-        if one was. See Note [Fair share in the loop]."""
+        at once what the cache holds beyond its fair share: the newest requests preempted until
+        the blocks beyond it are free, then the emptiest pages' blocks moved into the others'
+        free slots, and holders of whatever must still empty preempted; True if anything went
+        back. See Note [Fair share in the loop]."""
         self._report_demand()
         excess, pages = self.cache.over_limit_blocks(), self.cache.over_limit_pages()
         if (excess <= 0 and pages <= 0) or not self.running:
             return False
-        for request in self._page_emptying_victims(excess, pages):
-            self._preempt(request)
+        while excess > 0 and self.running:
+            excess -= len(self.running[-1].blocks)
+            self._preempt_newest()
+        if self.running:
+            self._move_blocks(self.cache.plan_compaction([] if self.pad_block is None else [self.pad_block]))
+            excess, pages = self.cache.over_limit_blocks(), self.cache.over_limit_pages()
+            if excess > 0 or pages > 0:
+                for request in self._page_emptying_victims(excess, pages):
+                    self._preempt(request)
         return True
+
+    def _move_blocks(self, moves: dict[int, int]) -> None:
+        """Move the running requests' blocks as `moves` ({old id: new id}, the new ids allocated)
+        says: copy their K/V, point the requests and their block-table rows at the new ids, free
+        the old ones. Nothing moves (the new ids are freed) if an old id is no running request's."""
+        if not moves:
+            return
+        holders = [(request, i) for request in self.running for i, block in enumerate(request.blocks)
+                   if block in moves]
+        if len(holders) != len(moves):
+            self.cache.free(list(moves.values()))
+            return
+        try:
+            self._copy_blocks(list(moves), list(moves.values()))
+        except BaseException:
+            self.cache.free(list(moves.values()))
+            raise
+        for request, i in holders:
+            request.blocks[i] = moves[request.blocks[i]]
+        for request in {id(r): r for r, _ in holders}.values():
+            self.buffers.append(request.row, 0, request.blocks)
+        self.cache.free(list(moves))
+        self.stats.blocks_moved += len(moves)
+
+    def _copy_blocks(self, old: list[int], new: list[int]) -> None:
+        """Queue the copy of every layer's K/V of blocks `old` into `new` (the tensor-parallel
+        loop has every rank copy)."""
+        self.cache.copy_blocks(old, new)
 
     def _page_emptying_victims(self, excess: int, pages: int) -> list[Request]:
         """Running requests whose preemption empties at least `pages` pages and frees at least
@@ -688,10 +726,17 @@ class ServingLoop:
 # free. The requests of a decode batch grow in lockstep, so each page holds blocks of many of
 # them, and preempting the newest requests until enough blocks are free empties no page at all:
 # on the H200 (Llama-3-8B shapes, 64 blocks of 16 tokens per page id) an instance over its share
-# kept its pages mapped while preempting 719 times (benchmarks/README.md, bench_share). So the
-# victims are chosen by page: the page whose holders have computed the fewest tokens is emptied
-# first (all its holders preempted), then the next, until as many pages are empty as hold blocks
-# beyond the cap (over_limit_pages) and the freed blocks cover over_limit_blocks.
+# kept its pages mapped while preempting 719 times (benchmarks/README.md, bench_share). Choosing
+# the victims by page (all holders of the emptiest page, then the next) emptied pages, but at the
+# price of every request on them: 187 preemptions in 30 s against 24 under first come. So once
+# the newest requests' blocks cover what is beyond the cap, the rest of the memory moves without
+# preemption: the cache plans which pages' blocks move into the free slots of the others
+# (KVCacheManager.plan_compaction, Note [Moving blocks instead of preempting] there), the loop
+# copies them on its stream, points the requests and their block-table rows at the new ids and
+# frees the old ones, which empties those pages. The pad block's page stays. Only what the plan
+# could not place (pages of unequal size, a page no request holds) falls back to preempting by
+# page: the page whose holders have computed the fewest tokens first, until as many pages are
+# empty as over_limit_pages asks and the freed blocks cover over_limit_blocks.
 #
 # Note [Failed steps]
 # A step is schedule -> model call -> commit. Only the commit changes what a request has done

@@ -16,7 +16,7 @@ from .loop import ServingLoop
 from .plan import NUM_SIZES, StepPlan
 from .shard import Shard
 
-STOP, STEP = 0, 1               # the command word of a step header
+STOP, STEP, MOVE = 0, 1, 2      # the command word of a header: return, run a step, move blocks
 HEADER_LEN = 1 + NUM_SIZES
 
 
@@ -63,18 +63,36 @@ class TensorParallelLoop(ServingLoop):
         self.failed: str | None = None  # the exception of a step that failed once sent
         self.steps_sent = 0         # forward steps the workers were given (steps with a batch)
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
+    def _check_usable(self) -> None:
         if self.failed is not None:
             raise RuntimeError(f"a step of this TensorParallelLoop failed after it was sent to the workers "
                                f"({self.failed}); they wait inside it, so the group is unusable. The requests "
                                f"are in loop.running and loop.waiting as they were; restart every rank")
         if self.closed:
             raise RuntimeError("the TensorParallelLoop is closed (its workers have returned); start a new group")
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        self._check_usable()
         try:
             self._send(STEP, plan.sizes)
             dist.broadcast(plan.data, group=self.group, group_src=0)
             self.steps_sent += 1
             return super()._forward(plan)
+        except BaseException as exc:
+            self.failed = repr(exc)
+            raise
+
+    def _copy_blocks(self, old: list[int], new: list[int]) -> None:
+        """Every rank copies the blocks (Note [Moving blocks at TP]); returns once each has."""
+        self._check_usable()
+        try:
+            self._send(MOVE, (len(old),) + (0,) * (NUM_SIZES - 1))
+            pairs = torch.tensor(old + new, dtype=torch.int64, device=self.device)
+            dist.broadcast(pairs, group=self.group, group_src=0)
+            super()._copy_blocks(old, new)
+            done = torch.zeros(1, dtype=torch.int64, device=self.device)
+            dist.all_reduce(done, group=self.group)
+            done.item()
         except BaseException as exc:
             self.failed = repr(exc)
             raise
@@ -125,10 +143,22 @@ class TensorParallelWorker:
             command, *sizes = header.tolist()
             if command == STOP:
                 return self.steps
+            if command == MOVE:
+                self._move(sizes[0])
+                continue
             if command != STEP:
-                raise RuntimeError(f"unknown command {command} from the leader (expected {STEP} or {STOP})")
+                raise RuntimeError(f"unknown command {command} from the leader (expected {STEP}, {MOVE} or {STOP})")
             self._receive(tuple(sizes)).forward(self.model, self.cache, logits=False)
             self.steps += 1
+
+    def _move(self, count: int) -> None:
+        """The leader's block moves: copy them here, then tell it the copy is done (Note [Moving
+        blocks at TP])."""
+        pairs = torch.empty(2 * count, dtype=torch.int64, device=self.device)
+        dist.broadcast(pairs, group=self.group, group_src=0)
+        ids = pairs.tolist()
+        self.cache.copy_blocks(ids[:count], ids[count:])
+        dist.all_reduce(torch.zeros(1, dtype=torch.int64, device=self.device), group=self.group)
 
 
 # Note [Leader and workers]
@@ -156,3 +186,12 @@ class TensorParallelWorker:
 # refuses every step after one that failed once sent, and close() sends no STOP either. A clean
 # end is close() (or leaving the loop's ``with`` block, which closes on an exception too, before
 # the step's broadcast if the failure came first).
+#
+# Note [Moving blocks at TP]
+# Under a fair budget the leader may move blocks instead of preempting (Note [Fair share in the
+# loop]): every rank holds the blocks' heads, so every rank copies them. The leader sends a MOVE
+# header (the count in the first size), the old and new ids in one int64 tensor, copies its own,
+# and then all ranks join an all-reduce, which the leader waits for on the host (.item()). A
+# worker's all-reduce runs on its stream after its copy, so once the leader has the result every
+# rank's copy is done, and only then does the leader free the old ids, whose pages its page table
+# unmaps on every rank (the mirror): no worker still reads a page that goes.
