@@ -216,22 +216,29 @@ def print_decode(rows: list[dict], setup: Setup) -> None:
 # -- 2. end to end, with transformers' continuous batching as the anchor --------------------------
 
 def run_loop(model, cache, work: list[list[int]], new: int, mode: str) -> tuple[float, dict, dict]:
-    """(seconds, tokens by request, stats) of one loop serving `work` to the end."""
+    """(seconds, tokens by request, stats) of one loop serving `work` to the end; the stats
+    split the time between the padded decode steps and the others (prefill and mixed)."""
     from kvcached.serving import ServingLoop
 
     loop = ServingLoop(model, cache, max_batch_tokens=4096, max_running=len(work),
                        max_tokens=max(map(len, work)) + new, **MODES[mode])
     try:
-        for prompt in work:
-            loop.add_request(prompt, new)
+        ids = {loop.add_request(prompt, new): index for index, prompt in enumerate(work)}
         loop.capture_graphs()                           # at start-up, as an engine does (CUDA only)
         sync(str(next(model.parameters()).device))
+        results = {}
+        decode_s = 0.0
         start = time.perf_counter()
-        results = loop.run_until_done()
+        while loop.has_work():
+            began, runner_steps = time.perf_counter(), loop.stats.runner_steps
+            for request in loop.step():
+                results[ids[request.id]] = request.generated
+            if loop.stats.runner_steps != runner_steps:
+                decode_s += time.perf_counter() - began
         seconds = time.perf_counter() - start
         s = loop.stats
         return seconds, results, {"steps": s.steps, "runner_steps": s.runner_steps, "graph_replays": s.graph_replays,
-                                  "preemptions": s.preemptions}
+                                  "preemptions": s.preemptions, "decode_s": decode_s}
     finally:
         loop.close()
 
@@ -287,8 +294,11 @@ def bench_end_to_end(model, caches, setup: Setup, *, generate_batch: bool = True
         for name, cache in caches.items():
             seconds, outputs[name, mode], stats = run_loop(model, cache, work, setup.new, mode)
             rows.append({"runner": f"loop + {name}, {mode}", "tokens_per_s": tokens / seconds, "seconds": seconds,
-                         "note": f"{seconds:.2f} s, {stats['steps']} steps, {stats['graph_replays']} graph replays, "
-                                 f"{stats['runner_steps']} padded decode steps, {stats['preemptions']} preemptions"})
+                         "decode_s": stats["decode_s"],
+                         "note": f"{seconds:.2f} s ({stats['decode_s']:.2f} s in {stats['runner_steps']} padded decode "
+                                 f"steps, {stats['graph_replays']} of them graph replays; "
+                                 f"{stats['steps'] - stats['runner_steps']} other steps), "
+                                 f"{stats['preemptions']} preemptions"})
     first = next(iter(outputs.values()))
     same = all(out == first for out in outputs.values())
     rows.append({"runner": f"(tokens identical across {', '.join('/'.join(k) for k in outputs)})",
