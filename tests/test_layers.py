@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvcached"
 
 # Bottom first; a module may import its own layer or any below it (cycles are checked apart).
 LAYERS = (
-    {"errors", "sizes", "checks", "config", "limits", "_steps", "_threads", "core._posix"},
+    {"errors", "sizes", "checks", "config", "limits", "compaction", "_steps", "_threads", "core._posix"},
     {"core.vmm"},
     {"core.hostmem"},
     {"core.pagetable", "core.ledger"},               # ledger: the backend of a TP leader without pages
@@ -137,7 +137,7 @@ def test_the_parser_sees_known_edges():
     """The check can fail: it finds imports that exist, relative and absolute, in functions too."""
     edges = graph()
     assert "kv_cache_manager" in edges["runtime"]
-    {"errors", "sizes", "checks", "config", "limits", "_steps", "_threads", "core._posix"},
+    {"errors", "sizes", "checks", "config", "limits", "compaction", "_steps", "_threads", "core._posix"},
     {"core.vmm"},
     {"core.pagetable"},
     {"core.pagealloc"},

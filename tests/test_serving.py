@@ -271,8 +271,8 @@ def test_a_cap_below_the_mapped_pages_empties_whole_pages_at_once(elastic, budge
 
 class FitLimit:
     """A `during` hook for serve(): at the first step where no request waits and the cache maps
-    more pages than its live blocks and one more block per running request need, the limit drops
-    to that; one step later `seen` records what the step did (blocks moved, preemptions, memory)
+    more pages than its live blocks and the blocks the next step adds need, the limit drops to
+    that; one step later `seen` records what the step did (blocks moved, preemptions, memory)
     and the limit goes. Requests of different lengths leave pages partly used as they finish.
     With nobody waiting, the squeezed step runs the same batch as it would without the limit."""
 
@@ -284,7 +284,9 @@ class FitLimit:
         if "limit" not in seen:
             stats = manager.stats()
             per_page = stats["total_blocks"] // manager.num_pages
-            fits = -(-stats["allocated"] // per_page) + -(-len(self.loop.running) // per_page)
+            size = self.cache.block_size
+            growth = sum(-(-len(r.tokens) // size) - len(r.blocks) for r in self.loop.running)   # the next step's
+            fits = -(-(stats["allocated"] + growth) // per_page)
             if self.loop.running and not self.loop.waiting and stats["owned_pages"] > fits:
                 seen.update(limit=fits * manager.page_bytes, mapped=self.cache.mapped_bytes(),
                             preempted=self.loop.stats.preemptions)
