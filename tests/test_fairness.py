@@ -57,13 +57,23 @@ def test_two_holders_with_unmet_demand_split_by_weight(budget, w1, w2):
 
 @settings(max_examples=400, deadline=None)
 @given(budget_st, claims_st)
-def test_caps_bind_only_while_another_holder_waits_below_its_share(budget, claims):
+def test_caps_bind_only_while_the_budget_is_short_and_another_holder_waits(budget, claims):
+    """Uncapped while the wants fit the budget or nobody else is short; otherwise capped at no
+    less than the share, and at no more than the share the holder would get if it wanted
+    everything, so the caps never undo fairness."""
     shares = fair_shares(budget, claims)
-    result = caps(claims, shares)
+    result = caps(budget, claims, shares)
+    contended = sum(c.want for c in claims) > budget
     short = [c.held_bytes < s and c.demand_bytes > 0 for c, s in zip(claims, shares)]
     for i, cap in enumerate(result):
         others_short = any(short[j] for j in range(len(claims)) if j != i)
-        assert cap == (shares[i] if others_short else UNCAPPED)
+        if not (contended and others_short):
+            assert cap == UNCAPPED
+            continue
+        assert cap >= shares[i]
+        greedy = claims[:i] + [Claim(claims[i].weight_milli, claims[i].min_bytes, claims[i].held_bytes,
+                                     2 * budget + claims[i].min_bytes + 1)] + claims[i + 1:]
+        assert cap == max(shares[i], fair_shares(budget, greedy)[i])
 
 
 def test_worked_examples():
@@ -82,11 +92,22 @@ def test_worked_examples():
     # The hog holding everything is capped at its share while the other waits; not once the
     # other has its share, nor when it asks for nothing.
     hog, waiting = Claim(1000, 0, 100, 0), Claim(1000, 0, 0, 60)
-    assert caps([hog, waiting], fair_shares(100, [hog, waiting])) == [50, UNCAPPED]
+    assert caps(100, [hog, waiting], fair_shares(100, [hog, waiting])) == [50, UNCAPPED]
     satisfied = Claim(1000, 0, 50, 10)
-    assert caps([Claim(1000, 0, 50, 0), satisfied], [50, 50]) == [UNCAPPED, UNCAPPED]
+    assert caps(100, [Claim(1000, 0, 50, 0), satisfied], [50, 50]) == [UNCAPPED, UNCAPPED]
     idle = Claim(1000, 0, 0, 0)
-    assert caps([hog, idle], fair_shares(100, [hog, idle])) == [UNCAPPED, UNCAPPED]
+    assert caps(100, [hog, idle], fair_shares(100, [hog, idle])) == [UNCAPPED, UNCAPPED]
+    # Someone waits, but what is free covers it: nobody is capped (a cap at 40 would stop the
+    # first one's running requests from taking their next blocks).
+    busy, queued = Claim(1000, 0, 40, 0), Claim(1000, 0, 20, 10)
+    assert caps(100, [busy, queued], fair_shares(100, [busy, queued])) == [UNCAPPED, UNCAPPED]
+    # Short of budget: the one wanting less than its half may still grow to its half.
+    small, large = Claim(1000, 0, 30, 0), Claim(1000, 0, 40, 100)
+    assert fair_shares(100, [small, large]) == [30, 70]
+    assert caps(100, [small, large], [30, 70]) == [50, UNCAPPED]
+    # The room to grow respects a minimum: the other's 70 leaves the hog 30, and no more.
+    floored = Claim(1000, 70, 0, 100)
+    assert caps(100, [hog, floored], fair_shares(100, [hog, floored])) == [30, UNCAPPED]
 
 
 @pytest.mark.parametrize("claim", [Claim(0, 0, 0, 0), Claim(1000, -1, 0, 0), Claim(1000, 0, -1, 0),

@@ -413,7 +413,8 @@ class BudgetSnapshot:
             return {h.slot: UNCAPPED for h in live}
         claims = [Claim(round(h.weight * 1000), h.min_bytes, max(0, h.held_bytes), h.demand_bytes)
                   for h in live]
-        return dict(zip((h.slot for h in live), caps(claims, [h.share_bytes for h in live])))
+        return dict(zip((h.slot for h in live), caps(max(0, self.budget_bytes), claims,
+                                                     [h.share_bytes for h in live])))
 
     def to_dict(self) -> dict:
         return {

@@ -98,12 +98,26 @@ def _round(exact: list[Fraction], total: int) -> list[int]:
     return shares
 
 
-def caps(claims: Sequence[Claim], shares: Sequence[int]) -> list[int]:
-    """Each holder's cap: its share while some *other* holder is below its own share with
-    demand waiting, else UNCAPPED. O(n). See Note [Caps that conserve work]."""
+def caps(budget_bytes: int, claims: Sequence[Claim], shares: Sequence[int]) -> list[int]:
+    """Each holder's cap: UNCAPPED unless the holders together want more than ``budget_bytes``
+    and some *other* holder is below its own share with demand waiting; then the larger of its
+    share and the share it would get if it asked for the whole budget, so that a holder wanting
+    less than that may still grow to it. ``shares`` are fair_shares' for the same claims.
+    O(n^2 log n). See Note [Caps that conserve work]."""
+    if sum(c.want for c in claims) <= budget_bytes:
+        return [UNCAPPED] * len(claims)     # what is free covers every demand
     short = [c.held_bytes < s and c.demand_bytes > 0 for c, s in zip(claims, shares)]
     waiting = sum(short)
-    return [s if waiting - is_short > 0 else UNCAPPED for s, is_short in zip(shares, short)]
+    return [max(s, _asking_all(budget_bytes, claims, i)) if waiting - is_short > 0 else UNCAPPED
+            for i, (s, is_short) in enumerate(zip(shares, short))]
+
+
+def _asking_all(budget_bytes: int, claims: Sequence[Claim], i: int) -> int:
+    """Holder i's share if it wanted the whole budget (and its minimum) on top of what it holds:
+    a want no share can reach, so a larger one would change nothing."""
+    c = claims[i]
+    asking = Claim(c.weight_milli, c.min_bytes, c.held_bytes, budget_bytes + c.min_bytes)
+    return fair_shares(budget_bytes, [*claims[:i], asking, *claims[i + 1:]])[i]
 
 
 # Note [Fair shares]
@@ -123,11 +137,20 @@ def caps(claims: Sequence[Claim], shares: Sequence[int]) -> list[int]:
 #
 # Note [Caps that conserve work]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
-# A share is enforced only while it is needed: a holder is capped at its share while some other
-# holder is below its own share and has demand waiting; otherwise it is uncapped, and may take
-# whatever nobody asks for (an idle instance's share is anybody's). Capping at the share, not at
-# what the holder holds, lets a capped holder keep what fairness gives it and give back only the
-# excess. A holder that reaches its share, or stops asking, uncaps the others at the next round.
+# A share is enforced only while it is needed: a holder is capped while the holders together
+# want more than the budget (what they hold plus what they wait for) and some other holder is
+# below its own share with demand waiting; otherwise it is uncapped, and may take whatever nobody
+# asks for (an idle instance's share is anybody's). While the wants fit the budget nobody is
+# capped even if someone waits: the free bytes cover its demand, and a cap would only stop the
+# others' running requests from taking their next blocks. On the H200 (bench_share, rate 6) the
+# budget was never full under first come, yet fair capped each holder at exactly what it held
+# whenever another one had a request queued for a step, and every decode step that then needed
+# a page preempted. For the same reason a capped holder's cap is the larger of its share and
+# the share it would get if it asked for the whole budget: one that wants less keeps room to
+# grow to that, which is no more than fairness would give it anyway.
+# Capping at the share, not at what the holder holds, lets a capped holder keep what fairness
+# gives it and give back only the excess. A holder that reaches its share, or stops asking,
+# uncaps the others at the next round.
 # Why every holder computes its own cap from the segment rather than a daemon handing them out:
 # nothing extra to start, supervise or lose (a crashed daemon would freeze every cap), the
 # segment already holds what the computation needs (under one shared flock: one consistent
