@@ -104,8 +104,8 @@ class PagedKVCache:
             return
         device = self.kv[0].device
         source, target = (torch.tensor(ids, dtype=torch.int64, device=device) for ids in (old, new))
-        for kv in self.kv:
-            kv[:, target] = kv[:, source]
+        for kv in self.kv:      # indexing touches only these blocks; index_select / index_copy_ over
+            kv[:, target] = kv[:, source]   # the [2, N, ...] view faulted on unmapped host pages
 
     def mapped_bytes(self) -> int:
         """Device memory the cache holds now."""
