@@ -142,12 +142,13 @@ def _asking_all(budget_bytes: int, claims: Sequence[Claim], i: int) -> int:
 # below its own share with demand waiting; otherwise it is uncapped, and may take whatever nobody
 # asks for (an idle instance's share is anybody's). While the wants fit the budget nobody is
 # capped even if someone waits: the free bytes cover its demand, and a cap would only stop the
-# others' running requests from taking their next blocks. On the H200 (bench_share, rate 6) the
-# budget was never full under first come, yet fair capped each holder at exactly what it held
-# whenever another one had a request queued for a step, and every decode step that then needed
-# a page preempted. For the same reason a capped holder's cap is the larger of its share and
-# the share it would get if it asked for the whole budget: one that wants less keeps room to
-# grow to that, which is no more than fairness would give it anyway.
+# others' running requests from taking their next blocks. (The shares are then the wants, so a
+# holder with nothing waiting was capped at exactly what it held: the next page one of its
+# running requests needed failed and the engine preempted, with the budget partly free. On the
+# CPU machine, bench_share --quick with a budget often free, dropping those caps cut fair's
+# preemptions by 27-78 %: benchmarks/README.md.) For the same reason a capped holder's cap is
+# the larger of its share and the share it would get if it asked for the whole budget: one that
+# wants less keeps room to grow to that, which is no more than fairness would give it anyway.
 # Capping at the share, not at what the holder holds, lets a capped holder keep what fairness
 # gives it and give back only the excess. A holder that reaches its share, or stops asking,
 # uncaps the others at the next round.
