@@ -84,4 +84,5 @@ cdef class BlockAllocator(BlockSlots):
     cdef int _run_alloc(self, int n, int32_t* out, bint use_held, bint hold=*) except -1   # 0 / _OOM, or raises; GIL held
     cdef long long _checked_count(self, object n, str what) except -2   # n in [0, total_blocks], -1 above it (a failed alloc counted); ValueError if negative
     cdef int _run_free(self, int n, const int32_t* ids) except -1                    # 0, or raises BlockStateError (nothing freed); GIL held
+    cdef list _id_list(self, long long count, int32_t* out)                          # ids just allocated as a list; MemoryError with them freed
     cdef int _return_pages(self, int ne) except -1                                   # page_buf[0..ne) back; never raises past the free

@@ -538,6 +538,19 @@ cdef class BlockAllocator(BlockSlots):
             raise BlockStateError(f"block id {bad[0]} {why}; nothing was freed.")
         return 0
 
+    cdef list _id_list(self, long long count, int32_t* out):
+        """The `count` ids just allocated into out, as alloc hands them out: a list of int, or
+        MemoryError with the ids given back (never a partial result); checked in debug mode."""
+        result = PyList_New(count)
+        try:
+            kvc_fill_id_list(result, out, count, self.id_objs, self.id_objs_len)
+        except MemoryError:
+            self._run_free(<int>count, out)
+            raise
+        if self.debug_checks:
+            self.check_invariants()
+        return result
+
     # -- Python surface -------------------------------------------------------------------------
     def alloc(self, n):
         """Exactly `n` distinct block ids (a list of int), or None when the pages cannot be
@@ -562,15 +575,7 @@ cdef class BlockAllocator(BlockSlots):
             rc = self._run_alloc(count, out, True)
             if rc != 0:
                 return None
-            result = PyList_New(count)
-            try:
-                kvc_fill_id_list(result, out, count, self.id_objs, self.id_objs_len)
-            except MemoryError:
-                self._run_free(count, out)          # never a partial result: give the ids back
-                raise
-            if self.debug_checks:
-                self.check_invariants()
-            return result
+            return self._id_list(count, out)
         finally:
             if out != stack_ids:
                 free(out)
@@ -688,15 +693,7 @@ cdef class BlockAllocator(BlockSlots):
             self.num_allocated += count
             self.num_allocs += 1
             pthread_mutex_unlock(&self.lock)
-            result = PyList_New(count)
-            try:
-                kvc_fill_id_list(result, out, count, self.id_objs, self.id_objs_len)
-            except MemoryError:
-                self._run_free(<int>count, out)     # never a partial result: give the ids back
-                raise
-            if self.debug_checks:
-                self.check_invariants()
-            return result
+            return self._id_list(count, out)
         finally:
             if out != stack_ids:
                 free(out)
