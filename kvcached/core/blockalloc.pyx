@@ -55,6 +55,18 @@ cdef enum:
     _STACK_IDS = 512     # requests up to this many ids use a stack buffer, not malloc
 
 
+cdef int32_t* _id_buffer(Py_ssize_t n, int32_t* stack) except NULL:
+    # Where n ids go: `stack` (_STACK_IDS long) when they fit, else a malloc'd buffer that the
+    # caller frees (it is not `stack`); MemoryError when malloc fails.
+    cdef int32_t* buf
+    if n <= _STACK_IDS:
+        return stack
+    buf = <int32_t*>malloc(n * sizeof(int32_t))
+    if buf == NULL:
+        raise MemoryError
+    return buf
+
+
 cdef class BlockSlots:
     """Which block ids are free, and where: per page its interval of ids and, while owned (taken
     from the page allocator), a stack of its free ids; per block its state; the held stack; the
@@ -560,17 +572,14 @@ cdef class BlockAllocator(BlockSlots):
         An n above total_blocks, of any size, is None at once (Note [Counts and ids past int32] in blockargs).
         Raises ValueError for n < 0, TypeError for an n that is not an integer (1.5, True)."""
         cdef int32_t stack_ids[_STACK_IDS]
-        cdef int32_t* out = stack_ids
+        cdef int32_t* out
         cdef int rc, i
         cdef long long count
         self._check_live()
         count = self._checked_count(n, "alloc")
         if count <= 0:
             return [] if count == 0 else None
-        if count > _STACK_IDS:
-            out = <int32_t*>malloc(count * sizeof(int32_t))
-            if out == NULL:
-                raise MemoryError
+        out = _id_buffer(count, stack_ids)
         try:
             rc = self._run_alloc(count, out, True)
             if rc != 0:
@@ -595,7 +604,7 @@ cdef class BlockAllocator(BlockSlots):
         for an id that is unknown, not allocated, or repeated. Pages that become empty go back
         to the page allocator (pool, or unmapped after their fence). O(len(ids))."""
         cdef int32_t stack_ids[_STACK_IDS]
-        cdef int32_t* buf = stack_ids
+        cdef int32_t* buf
         cdef Py_ssize_t n, i
         self._check_live()
         if not isinstance(ids, list):
@@ -603,10 +612,7 @@ cdef class BlockAllocator(BlockSlots):
         n = PyList_GET_SIZE(ids)
         if n == 0:
             return
-        if n > _STACK_IDS:
-            buf = <int32_t*>malloc(n * sizeof(int32_t))
-            if buf == NULL:
-                raise MemoryError
+        buf = _id_buffer(n, stack_ids)
         try:
             ids_from_list(ids, n, buf, self.max_block_id)
             self._run_free(<int>n, buf)
@@ -669,7 +675,7 @@ cdef class BlockAllocator(BlockSlots):
         (KVCacheManager.plan_compaction). Raises MappingError for a page id out of range,
         ValueError / TypeError for a bad n. O(n)."""
         cdef int32_t stack_ids[_STACK_IDS]
-        cdef int32_t* out = stack_ids
+        cdef int32_t* out
         cdef int32_t p
         cdef long long count
         self._check_live()
@@ -680,10 +686,7 @@ cdef class BlockAllocator(BlockSlots):
         count = self._checked_count(n, "alloc_on")
         if count <= 0:
             return [] if count == 0 else None
-        if count > _STACK_IDS:
-            out = <int32_t*>malloc(count * sizeof(int32_t))
-            if out == NULL:
-                raise MemoryError
+        out = _id_buffer(count, stack_ids)
         try:
             self._lock()
             if not self.page_owned[p] or self.page_free[p] < count:
