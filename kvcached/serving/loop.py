@@ -462,21 +462,22 @@ class ServingLoop:
         the old ones. Nothing moves (the new ids are freed) if an old id is no running request's."""
         if not moves:
             return
+        old, new = list(moves), list(moves.values())
         holders = [(request, i) for request in self.running for i, block in enumerate(request.blocks)
                    if block in moves]
         if len(holders) != len(moves):
-            self.cache.free(list(moves.values()))
+            self.cache.free(new)
             return
         try:
-            self._copy_blocks(list(moves), list(moves.values()))
+            self._copy_blocks(old, new)
         except BaseException:
-            self.cache.free(list(moves.values()))
+            self.cache.free(new)
             raise
         for request, i in holders:
             request.blocks[i] = moves[request.blocks[i]]
         for request in {id(r): r for r, _ in holders}.values():
             self.buffers.append(request.row, 0, request.blocks)
-        self.cache.free(list(moves))
+        self.cache.free(old)
         self.stats.blocks_moved += len(moves)
 
     def _copy_blocks(self, old: list[int], new: list[int]) -> None:
