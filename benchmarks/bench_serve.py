@@ -26,6 +26,7 @@ compiled, the small ops fused; its first steps compile). Prints three tables:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import multiprocessing as mp
@@ -74,9 +75,14 @@ class Setup:
     budget_pages: int
     threads: int | None
     modes: tuple[str, ...] = ("eager", "graphs")
+    batch_tokens: int = 4096        # the end-to-end loops' max_batch_tokens
 
 
 def setup_from(args) -> Setup:
+    return dataclasses.replace(_setup_from(args), batch_tokens=args.batch_tokens)
+
+
+def _setup_from(args) -> Setup:
     modes = tuple(args.modes.split(","))
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:
@@ -215,12 +221,12 @@ def print_decode(rows: list[dict], setup: Setup) -> None:
 
 # -- 2. end to end, with transformers' continuous batching as the anchor --------------------------
 
-def run_loop(model, cache, work: list[list[int]], new: int, mode: str) -> tuple[float, dict, dict]:
+def run_loop(model, cache, work: list[list[int]], new: int, mode: str, batch_tokens: int) -> tuple[float, dict, dict]:
     """(seconds, tokens by request, stats) of one loop serving `work` to the end; the stats
     split the time between the padded decode steps and the others (prefill and mixed)."""
     from kvcached.serving import ServingLoop
 
-    loop = ServingLoop(model, cache, max_batch_tokens=4096, max_running=len(work),
+    loop = ServingLoop(model, cache, max_batch_tokens=batch_tokens, max_running=len(work),
                        max_tokens=max(map(len, work)) + new, **MODES[mode])
     try:
         ids = {loop.add_request(prompt, new): index for index, prompt in enumerate(work)}
@@ -258,7 +264,7 @@ def run_generate_batch(model, work: list[list[int]], new: int, setup: Setup) -> 
         defaults = ContinuousBatchingConfig()
         # tokens per block there: page_size (5.2x), block_size, else its 256-token blocks
         page = getattr(defaults, "page_size", None) or getattr(defaults, "block_size", None) or 256
-        sizing = {"num_blocks": len(work) * -(-(setup.prompt + new) // page) + 64, "max_batch_tokens": 4096}
+        sizing = {"num_blocks": len(work) * -(-(setup.prompt + new) // page) + 64, "max_batch_tokens": setup.batch_tokens}
         kwargs["continuous_batching_config"] = ContinuousBatchingConfig(**sizing)
     model.set_attn_implementation("sdpa")
     try:
@@ -289,10 +295,10 @@ def bench_end_to_end(model, caches, setup: Setup, *, generate_batch: bool = True
     outputs = {}
     for cache in caches.values():                       # warm-up: kernels compiled, allocator pools filled
         for mode in setup.modes:                        # (every prefill and mixed step shape of the run)
-            run_loop(model, cache, work, WARMUP_NEW_TOKENS, mode)
+            run_loop(model, cache, work, WARMUP_NEW_TOKENS, mode, setup.batch_tokens)
     for mode in setup.modes:
         for name, cache in caches.items():
-            seconds, outputs[name, mode], stats = run_loop(model, cache, work, setup.new, mode)
+            seconds, outputs[name, mode], stats = run_loop(model, cache, work, setup.new, mode, setup.batch_tokens)
             rows.append({"runner": f"loop + {name}, {mode}", "tokens_per_s": tokens / seconds, "seconds": seconds,
                          "decode_s": stats["decode_s"],
                          "note": f"{seconds:.2f} s ({stats['decode_s']:.2f} s in {stats['runner_steps']} padded decode "
@@ -312,7 +318,8 @@ def bench_end_to_end(model, caches, setup: Setup, *, generate_batch: bool = True
 
 
 def print_end_to_end(rows, setup: Setup) -> None:
-    print(f"\nend to end: {setup.requests} requests x ({setup.prompt} prompt + {setup.new} new) tokens, greedy")
+    print(f"\nend to end: {setup.requests} requests x ({setup.prompt} prompt + {setup.new} new) tokens, greedy, "
+          f"{setup.batch_tokens} tokens per step at most")
     print("| runner | new tokens/s | note |")
     print("|---|---:|---|")
     for r in rows:
@@ -487,6 +494,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per batch size, alternating the caches")
     parser.add_argument("--requests", type=int, default=64, help="requests of the end-to-end run")
     parser.add_argument("--new", type=int, default=64, help="new tokens per request, end to end")
+    parser.add_argument("--batch-tokens", type=int, default=4096,
+                        help="tokens per step of the end-to-end loops (their max_batch_tokens)")
     parser.add_argument("--budget-pages", type=int, default=16, help="global budget of the handover, in page ids")
     parser.add_argument("--skip", default="",
                         help="comma list of sections to skip: decode, e2e, handover, generate_batch (the "
@@ -510,7 +519,8 @@ def main() -> None:
     results: dict = {"setup": {"device": setup.device, "preset": setup.preset, "dtype": str(setup.dtype),
                                "batches": setup.batches, "prompt": setup.prompt, "steps": setup.steps,
                                "rounds": setup.rounds, "requests": setup.requests, "new": setup.new,
-                               "modes": list(setup.modes), "torch": torch.__version__,
+                               "modes": list(setup.modes), "batch_tokens": setup.batch_tokens,
+                               "torch": torch.__version__,
                                "transformers": _transformers_version()}}
     if not {"decode", "e2e"} <= skip:
         start = time.perf_counter()

@@ -150,7 +150,7 @@ def test_prefill_kernel_compiles_for_sm90_pipelined(dtype, head_dim, group, wind
     constants = dict(GROUP=group, BLOCK_M=tiles.block_m, BLOCK_Q=tiles.block_m // group, HEAD_DIM=head_dim,
                      D_PAD=d_pad, EVEN_D=d_pad == head_dim, BLOCK_SIZE=16, BLOCK_N=tiles.block_n, USE_WINDOW=window,
                      DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
-    kernel = compile_for_sm90(_prefill_kernel, dtype, constants, ("num_seqs",), tiles.num_warps, tiles.num_stages)
+    kernel = compile_for_sm90(_prefill_kernel, dtype, constants, tiles.num_warps, tiles.num_stages)
     assert "cp.async" in kernel.asm["ptx"], "K/V loads are not asynchronous copies: the loop is not pipelined"
     assert kernel.metadata.shared <= 227 * 1024
 
@@ -164,14 +164,14 @@ def test_decode_kernel_compiles_for_sm90_pipelined_when_aligned(aligned):
 
     constants = dict(GROUP=4, Q_ROWS=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=1,
                      USE_WINDOW=False, DOT_PRECISION="tf32")
-    kernel = compile_for_sm90(_decode_kernel, "bf16", constants, (), 4, 3, aligned=aligned)
+    kernel = compile_for_sm90(_decode_kernel, "bf16", constants, 4, 3, aligned=aligned)
     assert ("cp.async" in kernel.asm["ptx"]) == aligned
 
 
-def compile_for_sm90(kernel, dtype: str, constants: dict, unaligned: tuple[str, ...], num_warps: int,
-                     num_stages: int, aligned: bool = True):
+def compile_for_sm90(kernel, dtype: str, constants: dict, num_warps: int, num_stages: int, aligned: bool = True):
     """Compile ``kernel`` for sm_90 as a launch would: unit dim strides, every other integer and
-    pointer argument 16-divisible (Triton's specialisation) but those in ``unaligned``."""
+    pointer argument 16-divisible (Triton's specialisation) but the float scale and those the
+    kernel marks do_not_specialize (Note [One compile per model])."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -182,13 +182,14 @@ def compile_for_sm90(kernel, dtype: str, constants: dict, unaligned: tuple[str, 
     pointers = {"q_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "table_ptr": "*i32", "seq_lens_ptr": "*i32",
                 "starts_ptr": "*i32", "m_part_ptr": "*fp32", "l_part_ptr": "*fp32", "o_part_ptr": "*fp32"}
     scalars = {"k_addr": "i64", "v_addr": "i64", "scale_log2": "fp32"}
+    unspecialised = {"scale_log2"} | {param.name for param in kernel.params if param.do_not_specialize}
     signature, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in constants:
             signature[name] = "constexpr"
             continue
         signature[name] = pointers.get(name) or scalars.get(name, "i32")
-        if name not in ("window", "scale_log2", "s_table", *unaligned):
+        if name not in unspecialised:
             attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -269,6 +270,46 @@ def test_decode_rows_first_through_the_decode_kernel_on_cuda(kv_layout, window, 
     out = paged_attention(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                           batch.scale, sliding_window=window, kv_layout=kv_layout, num_decodes=num_decodes)
     assert_close(out, batch.expected(window), 2e-2)
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many compiled variants each kvcached kernel holds (Triton's per-device caches)."""
+    from kvcached.ops import triton_decode, triton_prefill, triton_write
+
+    kernels = {"decode": triton_decode._decode_kernel, "prefill": triton_prefill._prefill_kernel,
+               "write": triton_write._write_kernel}
+    return {name: sum(len(caches[0]) for caches in kernel.device_caches.values()) for name, kernel in kernels.items()}
+
+
+@pytest.mark.gpu
+@gpu
+def test_one_compile_whatever_the_metadata_alignment_on_cuda():
+    """A serving loop packs a step's metadata into one int64 tensor and a mixed step slices it
+    past its decode rows, so the pointers' 16-byte alignment changes from step to step; no kernel
+    compiles again for that (Note [One compile per model]). Before, the end-to-end run stalled
+    1.2-1.4 s on each new alignment class of the prefill kernel."""
+    rng = random.Random(13)
+    seq_lens = [*(rng.randint(1, 600) for _ in range(21)), 700, 513]
+    q_lens = [*([1] * 21), 512, 513]
+    case = dict(block_size=16, head_dim=128, kv_heads=8, heads=32, seq_lens=seq_lens, q_lens=q_lens,
+                window=None, kv_layout="NHD", seed=9)
+    k_cache, v_cache, batch = make_plain_batch(case, dtype=torch.bfloat16, device="cuda")
+    key = torch.randn(4, 8, 128, dtype=torch.bfloat16, device="cuda")
+    expected, before = None, None
+    for offset in range(4):
+        for num_decodes in (20, 21):                    # the prefill kernel's slices at odd and even rows
+            fields = [batch.block_tables.flatten(), batch.seq_lens, batch.query_start_loc]
+            flat = torch.cat([torch.zeros(offset, dtype=torch.int64, device="cuda"),
+                              *(field.to(torch.int64) for field in fields)])
+            tables, lens, starts = flat[offset:].split([field.numel() for field in fields])
+            out = paged_attention(batch.query, k_cache, v_cache, tables.view(batch.block_tables.shape), lens, starts,
+                                  batch.scale, num_decodes=num_decodes)
+            slots = torch.full((5,), -1, dtype=torch.int64, device="cuda")[offset % 2:][:4]     # writes nothing
+            write_kv(key, key, k_cache, v_cache, slots)
+            expected = out if expected is None else expected
+            assert torch.equal(out, expected)
+            before = before or compiled_variants()
+            assert compiled_variants() == before, f"a kernel compiled again at offset {offset}, {num_decodes} decodes"
 
 
 def with_padding_request(batch: Batch, null_block: int) -> dict:

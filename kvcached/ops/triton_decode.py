@@ -34,7 +34,7 @@ def cache_pointer(addr, CACHE_DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
     return ptr
 
 
-@triton.jit(do_not_specialize=["window", "s_table"])     # See Note [One compile per model]
+@triton.jit(do_not_specialize=["table_ptr", "seq_lens_ptr", "window", "s_table"])     # See Note [One compile per model]
 def _decode_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, out_ptr, m_part_ptr, l_part_ptr, o_part_ptr,
                    scale_log2, window,
                    sq_seq, sq_head, sq_dim,
@@ -236,8 +236,14 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # loop (the number of requests, the block tables' row stride, the window, which layers of one
 # model differ in) are marked do_not_specialize: otherwise a batch that first reaches 16
 # requests, or a table that first grows to 16 columns, stalls its step for a compile (a second or
-# more on an H200). The strides of the caches and tokens stay specialised: they are fixed per
-# model and their divisibility is what lets the loads vectorise.
+# more on an H200). So are the pointers to the step's metadata (block tables, sequence lengths,
+# query starts, slot mapping), whose 16-byte alignment Triton specialises on too: a loop packs
+# them into one int64 tensor and a mixed step slices them past its decode rows, so their
+# alignment follows the parity of the step's token and decode counts. The end-to-end run
+# (256 x (512 + 256), H200) met two such new classes of the prefill kernel after its warm-up,
+# 1.2 and 1.4 s each. Those loads are scalar or gathered anyway. The strides of the caches and
+# tokens stay specialised: they are fixed per model and their divisibility is what lets the
+# loads vectorise.
 #
 # Note [Cache base address]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~

@@ -66,7 +66,8 @@ def _attend_chunk(acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table, start, kv_lo, kv
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "first_token", "window", "s_table"])   # Note [One compile per model]
+@triton.jit(do_not_specialize=["table_ptr", "seq_lens_ptr", "starts_ptr", "num_seqs", "first_token", "window",
+                               "s_table"])   # Note [One compile per model]
 def _prefill_kernel(q_ptr, k_addr, v_addr, table_ptr, seq_lens_ptr, starts_ptr, out_ptr, num_seqs, first_token,
                     scale_log2, window,
                     sq_token, sq_head, sq_dim,

@@ -13,7 +13,7 @@ from ._args import CacheGeometry
 from .triton_decode import cache_pointer, device_of, element_type
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slot_ptr"])     # See Note [One compile per model] in triton_decode
 def _write_kernel(key_ptr, value_ptr, k_cache_addr, v_cache_addr, slot_ptr,
                   skt, skh, skd, svt, svh, svd,
                   ck_block, ck_token, ck_head, ck_dim, cv_block, cv_token, cv_head, cv_dim,
