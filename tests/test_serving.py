@@ -380,6 +380,33 @@ def test_aborted_waiting_requests_take_their_demand_with_them(kv_env, budget_nam
     loop.close()
 
 
+@pytest.mark.parametrize("max_batch_tokens, max_running, admissible", [(2 * 12, 16, 2), (3 * 12 - 1, 16, 3),
+                                                                        (16 * 12, 3, 3), (16 * 12, 1, 1)])
+def test_demand_is_what_the_next_step_could_admit(kv_env, budget_name, max_batch_tokens, max_running, admissible):
+    """Under a fair budget the loop reports as demand the blocks of the waiting requests its next
+    step could admit (max_batch_tokens, free places among max_running), not of every waiting
+    request: those behind wait for the model, and counting them capped the other instances for
+    memory this one could not use yet."""
+    kv_env(LAYOUT="interleaved", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=0, GLOBAL_BUDGET=budget_name,
+           GLOBAL_BUDGET_BYTES="1G")
+    init_kvcached(device="cpu", page_size_bytes=PAGE_BYTES)
+    model = serving_model("llama")
+    cache = ElasticKVCache(model.config, NUM_BLOCKS, block_size=BLOCK_SIZE)
+    manager = cache.manager
+    loop = ServingLoop(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running)
+    rng = random.Random(8)
+    prompt = 12                                       # 3 blocks
+    for _ in range(8):
+        loop.add_request([rng.randrange(model.config.vocab_size) for _ in range(prompt)], 40)
+    assert cache.shares_budget
+    loop.step()                                       # reports before it admits: 8 waiting, none running
+    bytes_per_block = manager.block_bytes * manager.num_layers * manager.num_kv_buffers * manager.world_size
+    expected = admissible * 3 * bytes_per_block         # of 8 waiting, before: 8 * 3 blocks
+    wait_until(lambda: manager.share()["demand_bytes"] == expected,
+               what=f"a demand of {expected} bytes published (now {manager.share()['demand_bytes']})")
+    loop.close()
+
+
 # -- bad input ------------------------------------------------------------------------------------
 
 def test_bad_requests_are_refused_and_change_nothing():

@@ -508,9 +508,18 @@ class ServingLoop:
         return [self.running[index] for index in sorted(chosen, reverse=True)]
 
     def _report_demand(self) -> None:
-        """The blocks the waiting requests need (prompt and tokens so far), as the cache's demand."""
+        """As the cache's demand, the blocks (prompt and tokens so far) of the waiting requests
+        that the next step could admit: as many as max_batch_tokens and the free places among
+        max_running take. The ones behind them wait for the model, not for memory. See Note
+        [Fair share in the loop]."""
         size = self.cache.block_size
-        self.cache.report_demand(sum(-(-len(request.tokens) // size) for request in self.waiting))
+        tokens, places, blocks = self.max_batch_tokens, self.max_running - len(self.running), 0
+        for request in itertools.islice(self.waiting, places):
+            if tokens <= 0:
+                break
+            blocks += -(-len(request.tokens) // size)
+            tokens -= len(request.tokens)
+        self.cache.report_demand(blocks)
 
     def _preempt_newest(self) -> None:
         self._preempt(self.running[-1])
@@ -716,9 +725,14 @@ class ServingLoop:
 #
 # Note [Fair share in the loop]
 # Under a global budget of the fair policy (kvcached.shm.fairness) each step tells the cache what
-# its waiting requests need (their blocks, prompt and tokens so far: what admitting them all would
-# take) and asks what it holds beyond its cap; it preempts the newest running requests until that
-# is freed, before scheduling, and admits nobody in that step. Waiting for an alloc to fail
+# its waiting requests need and asks what it holds beyond its cap; it preempts the newest running
+# requests until that is freed, before scheduling, and admits nobody in that step. The need is the
+# blocks (prompt and tokens so far) of the waiting requests the next step could admit, within
+# max_batch_tokens and the free places among max_running: a burst of requests waits mostly for
+# the model, a step's worth at a time, and reporting all of them (as before) made the holders'
+# wants exceed the budget while it was partly free, so the others were capped, and preempted, for
+# memory this instance could not use yet. Each step reports again, so the demand follows the
+# queue as it is admitted. Waiting for an alloc to fail
 # instead would move the memory only when a running request next crosses a block boundary (every
 # block_size tokens), and a share change must take effect within a poll interval or two. The
 # preempted requests wait with their demand published, so the next share computation counts them.
