@@ -9,12 +9,14 @@ static torch cache, transformers' own continuous batching as the anchor, and the
 Every loop runs in the modes --modes lists: "eager" (every step a plain model call), "graphs"
 (decode-only steps replay a CUDA graph per padded batch size; on the CPU the same padded runner
 without capture) and "compiled" (graphs, over torch.compile's program of the model: every step
-compiled, the small ops fused; its first steps compile). Prints three tables:
+compiled, the small ops fused; its first steps compile) and "overlap" (compiled, each decode step
+launched before the last one's tokens are read: Note [Steps ahead] in kvcached.serving.loop).
+Prints three tables:
 1. decode step: median time of one decode step of `batch` requests (every request one new token,
    contexts of --prompt tokens), static cache vs kvcached in alternating rounds, each mode;
-   tokens/s = batch / step time, and the host time of a step outside its model call (outside
-   the graph replay: from the step's start to the launch and after it, not waiting for the
-   device);
+   tokens/s = batch / step time, and the host time of a step outside its model call (the
+   step() call's time less the launch of the model call or graph replay and the wait for the
+   device's tokens);
 2. end to end: --requests requests of --prompt + --new tokens, greedy, tokens/s of the loop over
    each cache in each mode and of ``model.generate_batch`` (transformers' paged cache with its
    built-in sdpa attention, on the same weights) where this transformers runs it;
@@ -51,7 +53,8 @@ BLOCK_SIZE = 16
 WARMUP_NEW_TOKENS = 4
 # ServingLoop's options per mode
 MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True},
-         "compiled": {"cuda_graphs": True, "compile_model": True}}
+         "compiled": {"cuda_graphs": True, "compile_model": True},
+         "overlap": {"cuda_graphs": True, "compile_model": True, "overlap": True}}
 
 
 def mixed_prompt(setup) -> int:
@@ -147,7 +150,7 @@ def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list
             loop.step()                                 # ends with the sampled tokens on the host
             elapsed = time.perf_counter() - start
             s = loop.stats
-            times.append((elapsed, s.last_step_s - s.last_forward_s - s.last_wait_s))
+            times.append((elapsed, elapsed - s.last_forward_s - s.last_wait_s))
         assert not loop.has_work(), loop.stats
         assert mode == "eager" or loop.stats.runner_steps >= setup.steps, loop.stats
         return times

@@ -242,13 +242,16 @@ def test_keyboard_interrupts_in_run_until_done_lose_nothing(data, seed, family):
     assert results == expected
 
 
-def test_sigint_at_random_moments_loses_nothing(elastic):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sigint_at_random_moments_loses_nothing(elastic, overlap):
     """Real SIGINTs every 0-10 ms while run_until_done runs (the handler raises KeyboardInterrupt
-    only then): wherever they land, in the model call or while requests move between the queues,
-    every request finishes once, with the undisturbed run's tokens."""
+    only then): wherever they land, in the model call, while requests move between the queues
+    or (overlap) while a step is counted ahead or committed behind the next one, every request
+    finishes once, with the undisturbed run's tokens."""
     requests = [(0, prompt, max_new) for _, prompt, max_new in workload(seed=5, count=6, longest=30, max_new=16)]
     expected, _ = undisturbed("qwen2", requests, 16)
-    loop = ServingLoop(serving_model("qwen2"), elastic("qwen2"), max_batch_tokens=16)
+    loop = ServingLoop(serving_model("qwen2"), elastic("qwen2"), max_batch_tokens=16, cuda_graphs=overlap,
+                       overlap=overlap)
     armed, stop = [False], threading.Event()
 
     def handler(signum, frame):

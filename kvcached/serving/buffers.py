@@ -44,10 +44,13 @@ class StepBuffers:
         self._arange = np.arange(max(max_tokens_per_step, max_running) + 1)
         self.data = self.staging if self.device.type == "cpu" else torch.empty(capacity, dtype=torch.int64,
                                                                                device=self.device)
-        self.tokens = torch.empty(max_running, dtype=torch.int64, pin_memory=cuda)
-        self._tokens = self.tokens.numpy()
+        # two token buffers, used in turn: a loop a step ahead (Note [Steps ahead] in loop) has the
+        # next step's tokens on their way while it reads the last one's
+        self.tokens = [torch.empty(max_running, dtype=torch.int64, pin_memory=cuda) for _ in range(2)]
+        self._tokens = [tokens.numpy() for tokens in self.tokens]
+        self._sampled = [torch.cuda.Event() if cuda else None for _ in range(2)]
+        self._next_slot = 0
         self._copied = torch.cuda.Event() if cuda else None
-        self._sampled = torch.cuda.Event() if cuda else None
         self._last_sizes: tuple[int, ...] | None = None     # the sizes of the last pack, its views and plan
         self._last_fields: tuple[np.ndarray, ...] = ()
         self._last_plan: StepPlan | None = None
@@ -142,18 +145,21 @@ class StepBuffers:
         fields[-1] = fields[-1].reshape(sizes[1], sizes[2])
         return tuple(fields)
 
-    def send_tokens(self, tokens: torch.Tensor) -> None:
-        """Start copying a step's greedy tokens ``[K]`` to the host (non-blocking on CUDA)."""
-        self.tokens[:tokens.shape[0]].copy_(tokens, non_blocking=True)
-        if self._sampled is not None:
-            self._sampled.record()
+    def send_tokens(self, tokens: torch.Tensor) -> int:
+        """Start copying a step's greedy tokens ``[K]`` to the host (non-blocking on CUDA) into
+        the token buffer not used last; returns its slot for received_tokens."""
+        slot, self._next_slot = self._next_slot, 1 - self._next_slot
+        self.tokens[slot][:tokens.shape[0]].copy_(tokens, non_blocking=True)
+        if self._sampled[slot] is not None:
+            self._sampled[slot].record()
+        return slot
 
-    def received_tokens(self, count: int) -> np.ndarray:
-        """The first `count` tokens of the last send_tokens (a copy), once the device has them:
-        the only place a step waits for the device."""
-        if self._sampled is not None:
-            self._sampled.synchronize()
-        return self._tokens[:count].copy()
+    def received_tokens(self, count: int, slot: int) -> np.ndarray:
+        """The first `count` tokens that send_tokens put into `slot` (a copy), once the device
+        has them: the only place a step waits for the device."""
+        if self._sampled[slot] is not None:
+            self._sampled[slot].synchronize()
+        return self._tokens[slot][:count].copy()
 
 
 # Note [Step buffers]
@@ -182,5 +188,5 @@ class StepBuffers:
 # device (argmax) and copied into a pinned buffer behind the forward; the host waits for them
 # only in received_tokens, right before the commit, which needs their values. Everything the
 # host does between the launch and that wait (the argmax and copy launches, the event) overlaps
-# the device's work; a pipelined scheduler could schedule the next step there too (the loop has
-# no end-of-sequence token, so scheduling needs no token values), which this loop does not do.
+# the device's work; with overlap the loop schedules and launches the next decode step there
+# too, and the tokens come back through two buffers in turn (Note [Steps ahead] in loop).
