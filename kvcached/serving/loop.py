@@ -385,7 +385,7 @@ class ServingLoop:
             return None
         with _HeldInterrupt():
             cached = self._decoding(self.max_batch_tokens)
-        if cached is None or len(cached) != len(self._ahead.requests):
+        if cached is None:
             return None
         rows = self._rows()
         return _Batch(self.running[:], rows, cached, np.ones(len(rows), np.int64), len(rows))
