@@ -28,7 +28,6 @@ Prints three tables:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import json
 import multiprocessing as mp
@@ -82,10 +81,6 @@ class Setup:
 
 
 def setup_from(args) -> Setup:
-    return dataclasses.replace(_setup_from(args), batch_tokens=args.batch_tokens)
-
-
-def _setup_from(args) -> Setup:
     modes = tuple(args.modes.split(","))
     unknown = [mode for mode in modes if mode not in MODES]
     if unknown:
@@ -510,6 +505,7 @@ def main() -> None:
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     setup = setup_from(args)
+    setup.batch_tokens = args.batch_tokens
     skip = set(filter(None, args.skip.split(",")))
     if setup.threads:
         torch.set_num_threads(setup.threads)
