@@ -242,7 +242,7 @@ def run_loop(model, cache, work: list[list[int]], new: int, mode: str, batch_tok
         seconds = time.perf_counter() - start
         s = loop.stats
         return seconds, results, {"steps": s.steps, "runner_steps": s.runner_steps, "graph_replays": s.graph_replays,
-                                  "preemptions": s.preemptions, "decode_s": decode_s}
+                                  "preemptions": s.preemptions, "decode_s": decode_s, "steps_ahead": s.steps_ahead}
     finally:
         loop.close()
 
@@ -300,7 +300,8 @@ def bench_end_to_end(model, caches, setup: Setup, *, generate_batch: bool = True
             rows.append({"runner": f"loop + {name}, {mode}", "tokens_per_s": tokens / seconds, "seconds": seconds,
                          "decode_s": stats["decode_s"],
                          "note": f"{seconds:.2f} s ({stats['decode_s']:.2f} s in {stats['runner_steps']} padded decode "
-                                 f"steps, {stats['graph_replays']} of them graph replays; "
+                                 f"steps, {stats['graph_replays']} of them graph replays, {stats['steps_ahead']} "
+                                 f"launched a step ahead; "
                                  f"{stats['steps'] - stats['runner_steps']} other steps), "
                                  f"{stats['preemptions']} preemptions"})
     first = next(iter(outputs.values()))
