@@ -50,35 +50,49 @@ def state(loop: ServingLoop) -> tuple:
             loop.stats.step_tokens, loop.stats.runner_steps)
 
 
-def lockstep(requests, make_loop, aborts=()) -> tuple[CountingLoop, dict[int, list[int]]]:
-    """Serve `requests` ((arrival step, prompt, max_new)) through a CountingLoop and a GeneralLoop
-    from make_loop(cls), step by step, aborting the request of index i at step s for each (s, i)
-    of `aborts`; the two must agree after every step. Returns the fast loop and its results."""
-    fast, general = make_loop(CountingLoop), make_loop(GeneralLoop)
+def lockstep(requests, first: ServingLoop, second: ServingLoop, aborts=(), after_step=None) -> dict[int, list[int]]:
+    """Serve `requests` ((arrival step, prompt, max_new)) through two loops call for call,
+    aborting the request of index i at step s for each (s, i) of `aborts`: every step() must hand
+    out the same requests with the same tokens, and after_step(step), if given, checks more.
+    Returns the first loop's results; its invariants hold at the end."""
     ids: dict[int, int] = {}
     results: dict[int, list[int]] = {}
     for step in range(10_000):
         for index, (at, prompt, max_new) in enumerate(requests):
             if at == step:
-                request_id = fast.add_request(prompt, max_new)
-                assert general.add_request(prompt, max_new) == request_id
+                request_id = first.add_request(prompt, max_new)
+                assert second.add_request(prompt, max_new) == request_id
                 ids[request_id] = index
         for at, index in aborts:
             if at == step:
                 request_id = next((i for i, j in ids.items() if j == index), None)
                 if request_id is not None:
-                    assert fast.abort(request_id) == general.abort(request_id)
-        if len(ids) == len(requests) and not fast.has_work():
-            assert not general.has_work()
-            return fast, results
-        finished, finished_general = fast.step(), general.step()
-        assert [(r.id, r.tokens) for r in finished] == [(r.id, r.tokens) for r in finished_general]
+                    assert first.abort(request_id) == second.abort(request_id)
+        if len(ids) == len(requests) and not first.has_work():
+            assert not second.has_work()
+            first.check_invariants()
+            return results
+        finished, finished_second = first.step(), second.step()
+        assert [(r.id, r.tokens) for r in finished] == [(r.id, r.tokens) for r in finished_second], \
+            f"the loops differ at step {step}"
         for request in finished:
             results[ids[request.id]] = request.generated
+        if after_step is not None:
+            after_step(step)
+    pytest.fail(f"not done after 10000 steps: {first.stats}")
+
+
+def fast_and_general(requests, make_loop, aborts=()) -> tuple[CountingLoop, dict[int, list[int]]]:
+    """lockstep of a CountingLoop and a GeneralLoop from make_loop(cls), which must also be the
+    same after every step. Returns the fast loop and its results."""
+    fast, general = make_loop(CountingLoop), make_loop(GeneralLoop)
+
+    def same(step: int) -> None:
         assert state(fast) == state(general), f"the loops differ after step {step}"
         fast.check_invariants()
         general.check_invariants()
-    pytest.fail(f"not done after 10000 steps: {fast.stats}")
+
+    return fast, lockstep(requests, fast, general, aborts, same)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -101,7 +115,7 @@ def test_fast_path_matches_the_general_path(seed, family, max_running, max_batch
         return cls(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running,
                    cuda_graphs=cuda_graphs)
 
-    make_results = lockstep(requests, make, aborts)[1]
+    make_results = fast_and_general(requests, make, aborts)[1]
     aborted = {index for _, index in aborts}
     assert set(make_results) | aborted >= set(range(len(requests)))
 
@@ -116,7 +130,7 @@ def test_fast_path_runs_and_preempts_under_a_tight_cache():
     def make(cls):
         return cls(model, StaticKVCache(model.config, 14, block_size=BLOCK_SIZE), max_batch_tokens=64)
 
-    loop, results = lockstep(requests, make)
+    loop, results = fast_and_general(requests, make)
     assert loop.fast_steps > 10 and loop.stats.preemptions > 0
     for index, (_, prompt, max_new) in enumerate(requests):
         assert results[index] == expected("llama", tuple(prompt), max_new)

@@ -19,40 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serving import FAMILIES, check_tokens, serving_model, workload
 from test_serving import elastic, one_thread  # noqa: F401 (fixtures, used by name)
+from test_serving_decode_path import lockstep
 from test_serving_faults import ERRORS, failing, fault_points
 
 from kvcached.serving import ServingLoop, StaticKVCache
-
-
-def lockstep(requests, make_loop, aborts=()) -> tuple[ServingLoop, dict[int, list[int]]]:
-    """Serve `requests` ((arrival step, prompt, max_new)) through make_loop(True) and
-    make_loop(False) call for call, aborting the request of index i at step s for each (s, i) of
-    `aborts`; every step() must hand out the same requests and tokens. Returns the overlapping
-    loop and its results."""
-    ahead, plain = make_loop(True), make_loop(False)
-    ids: dict[int, int] = {}
-    results: dict[int, list[int]] = {}
-    for step in range(10_000):
-        for index, (at, prompt, max_new) in enumerate(requests):
-            if at == step:
-                request_id = ahead.add_request(prompt, max_new)
-                assert plain.add_request(prompt, max_new) == request_id
-                ids[request_id] = index
-        for at, index in aborts:
-            if at == step:
-                request_id = next((i for i, j in ids.items() if j == index), None)
-                if request_id is not None:
-                    assert ahead.abort(request_id) == plain.abort(request_id)
-        if len(ids) == len(requests) and not ahead.has_work():
-            assert not plain.has_work()
-            ahead.check_invariants()
-            return ahead, results
-        finished, finished_plain = ahead.step(), plain.step()
-        assert [(r.id, r.tokens) for r in finished] == [(r.id, r.tokens) for r in finished_plain], \
-            f"the loops differ at step {step}"
-        for request in finished:
-            results[ids[request.id]] = request.generated
-    pytest.fail(f"not done after 10000 steps: {ahead.stats}")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -74,7 +44,7 @@ def test_a_step_ahead_changes_no_step(seed, family, max_running, max_batch_token
         return ServingLoop(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running,
                            cuda_graphs=True, overlap=overlap)
 
-    results = lockstep(requests, make, aborts)[1]
+    results = lockstep(requests, make(True), make(False), aborts)
     assert set(results) | {index for _, index in aborts} >= set(range(len(requests)))
 
 
@@ -88,7 +58,8 @@ def test_decode_steps_run_ahead_with_generates_tokens(family):
     def make(overlap: bool) -> ServingLoop:
         return ServingLoop(model, StaticKVCache(model.config, 64, block_size=4), cuda_graphs=True, overlap=overlap)
 
-    loop, results = lockstep(requests, make)
+    loop = make(True)
+    results = lockstep(requests, loop, make(False))
     check_tokens(family, requests, results)
     assert loop.stats.steps_ahead >= 8, loop.stats
     assert make(False).stats.steps_ahead == 0
