@@ -385,10 +385,7 @@ class ServingLoop:
             return None
         with _HeldInterrupt():
             cached = self._decoding(self.max_batch_tokens)
-        if cached is None:
-            return None
-        rows = self._rows()
-        return _Batch(self.running[:], rows, cached, np.ones(len(rows), np.int64), len(rows))
+        return None if cached is None else self._decode_batch(cached)
 
     def _step_ahead(self, batch: _Batch, start: float) -> None:
         """Launch `batch` behind the step ahead (its tokens fed on the device), then commit that
@@ -484,12 +481,16 @@ class ServingLoop:
             budget -= n
         tokens = self.max_batch_tokens - budget
         if decoding is not None and not counts:
-            return _Batch(self.running[:], self._rows(), decoding, np.ones(len(decoding), np.int64), tokens)
+            return self._decode_batch(decoding)
         if decoding is not None:
             counts = [1] * len(decoding) + counts
         requests = self.running[:len(counts)]
         rows = self._rows()[:len(counts)]
         return _Batch(requests, rows, self.counters.cached[rows], np.array(counts, np.int64), tokens)
+
+    def _decode_batch(self, cached: np.ndarray) -> _Batch:
+        """Every running request's next token, from its cached count: the decode fast path's batch."""
+        return _Batch(self.running[:], self._rows(), cached, np.ones(len(cached), np.int64), len(cached))
 
     def _rows(self) -> np.ndarray:
         """The running requests' block-table rows, in order (built once per change of the list)."""
