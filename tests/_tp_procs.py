@@ -251,8 +251,9 @@ def killed(cfg: dict, workdir: str) -> dict:
     assert "rank 1" in first and "restart every rank" in first, first
     try:
         m.free(held)                                  # its unmap needs the peer: the error is kept
-    except KVCachedTPError:                           # off the caller's path, or raised
-        pass
+        m.trim()                                      # off the caller's path, or raised; the trim
+    except KVCachedTPError:                           # settles an unmap the background thread
+        pass                                          # took (it retries one that failed there)
     else:
         assert isinstance(m._pages.last_error, KVCachedTPError), m._pages.last_error
     m._blocks.check_invariants()                      # rank 0's own state is settled
