@@ -502,7 +502,7 @@ def main() -> None:
     parser.add_argument("--caches", default="static,kvcached",
                         help="comma list of the caches to run side by side: static, kvcached")
     parser.add_argument("--modes", default="eager,graphs",
-                        help="comma list of loop modes to run side by side: eager, graphs, compiled")
+                        help="comma list of loop modes to run side by side: " + ", ".join(MODES))
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     setup = setup_from(args)
