@@ -317,6 +317,35 @@ class ServingLoop:
         finished, self._finished = self._finished, []
         return finished
 
+    def run_until_done(self, *, stall_timeout_s: float = 60.0) -> dict[int, list[int]]:
+        """Step until no request is left; returns {request id: generated tokens} of every request
+        that finished since the loop last handed any out.
+
+        Raises LoopStalledError (a RuntimeError) when no request got further than it ever had for
+        stall_timeout_s (a limit or budget below what one request needs, memory held elsewhere);
+        the finished requests stay on the loop then, as after any other exception."""
+        stalled_since = None
+        progress = self._progress
+        while self.has_work():
+            self._step()
+            if self._progress != progress:
+                progress, stalled_since = self._progress, None
+                continue
+            now = time.monotonic()
+            stalled_since = stalled_since or now
+            if now - stalled_since > stall_timeout_s:
+                raise LoopStalledError(
+                    f"no memory for any request to make progress for {stall_timeout_s} s ({len(self.waiting)} "
+                    f"waiting, {len(self.running)} running, {self.stats.preemptions} preemptions): the memory limit "
+                    f"or the budget is below what one request needs, or the memory is held elsewhere; raise the "
+                    f"limit or the budget. {len(self._finished)} finished request(s) stay on the loop: "
+                    f"take_finished() or the next run_until_done() returns them")
+            if not self.stats.step_tokens:
+                time.sleep(0.001)
+        results = {request.id: request.generated for request in self._finished}
+        self._finished = []                             # once built: a Ctrl-C in between loses nothing
+        return results
+
     def _step(self) -> None:
         self.cache.check_open()
         start = time.perf_counter()
@@ -425,35 +454,6 @@ class ServingLoop:
         self.counters.last[batch.rows] = tokens
         self._progress += 1
         self._account(batch, len(tokens), 0, time.perf_counter() - batch.started)
-
-    def run_until_done(self, *, stall_timeout_s: float = 60.0) -> dict[int, list[int]]:
-        """Step until no request is left; returns {request id: generated tokens} of every request
-        that finished since the loop last handed any out.
-
-        Raises LoopStalledError (a RuntimeError) when no request got further than it ever had for
-        stall_timeout_s (a limit or budget below what one request needs, memory held elsewhere);
-        the finished requests stay on the loop then, as after any other exception."""
-        stalled_since = None
-        progress = self._progress
-        while self.has_work():
-            self._step()
-            if self._progress != progress:
-                progress, stalled_since = self._progress, None
-                continue
-            now = time.monotonic()
-            stalled_since = stalled_since or now
-            if now - stalled_since > stall_timeout_s:
-                raise LoopStalledError(
-                    f"no memory for any request to make progress for {stall_timeout_s} s ({len(self.waiting)} "
-                    f"waiting, {len(self.running)} running, {self.stats.preemptions} preemptions): the memory limit "
-                    f"or the budget is below what one request needs, or the memory is held elsewhere; raise the "
-                    f"limit or the budget. {len(self._finished)} finished request(s) stay on the loop: "
-                    f"take_finished() or the next run_until_done() returns them")
-            if not self.stats.step_tokens:
-                time.sleep(0.001)
-        results = {request.id: request.generated for request in self._finished}
-        self._finished = []                             # once built: a Ctrl-C in between loses nothing
-        return results
 
     # -- scheduling -----------------------------------------------------------------------------
     def _schedule(self) -> _Batch:
