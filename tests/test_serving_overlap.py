@@ -65,6 +65,19 @@ def test_decode_steps_run_ahead_with_generates_tokens(family):
     assert make(False).stats.steps_ahead == 0
 
 
+@pytest.mark.parametrize("max_new", [2, 3, 10])
+def test_every_step_launched_ahead_is_counted(max_new):
+    """Requests admitted together: their prefill gives token 1 and a plain decode step token 2,
+    which stays ahead while more are to come; each later decode step is launched before the
+    last one's tokens are read, the one that finishes them included: max_new - 2 of them."""
+    model = serving_model("llama")
+    loop = ServingLoop(model, StaticKVCache(model.config, 64, block_size=4), cuda_graphs=True, overlap=True)
+    for _, prompt, _ in workload(3, count=3, longest=10):
+        loop.add_request(prompt, max_new)
+    loop.run_until_done()
+    assert loop.stats.steps_ahead == max(0, max_new - 2), loop.stats
+
+
 def test_nothing_runs_ahead_without_the_runner_or_the_option():
     """Eager decode steps, or overlap off: every step is committed before step() returns."""
     requests = [(0, prompt, 10) for _, prompt, _ in workload(2, count=3, longest=10)]

@@ -428,9 +428,9 @@ class ServingLoop:
         with _HeldInterrupt():
             stays = self._stays_ahead(batch)
             self._finish_ahead()                        # raises: `batch` is a failed step
+            self.stats.steps_ahead += 1
             if stays:
                 self._go_ahead(batch)
-                self.stats.steps_ahead += 1
         if not stays:
             self._commit_step(batch, sampling, self._received(batch, len(sampling)))
 
