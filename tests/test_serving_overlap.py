@@ -13,6 +13,7 @@ replays CUDA graphs with it (marker gpu).
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -76,6 +77,26 @@ def test_every_step_launched_ahead_is_counted(max_new):
         loop.add_request(prompt, max_new)
     loop.run_until_done()
     assert loop.stats.steps_ahead == max(0, max_new - 2), loop.stats
+
+
+def test_step_times_do_not_overlap_a_step_ahead():
+    """A step ahead is committed during the next step() call, after that call launched its own
+    step: its time counts from the last commit, so the step times of a run add up to no more
+    than the run's wall time, and tokens_per_s is tokens over time spent, not over overlapping
+    intervals counted twice."""
+    model = serving_model("llama")
+    loop = ServingLoop(model, StaticKVCache(model.config, 64, block_size=4), cuda_graphs=True, overlap=True)
+    for _, prompt, _ in workload(4, count=3, longest=10):
+        loop.add_request(prompt, 12)
+    steps, total = 0, 0.0
+    start = time.perf_counter()
+    while loop.has_work():
+        loop.step()
+        if loop.stats.steps != steps:
+            steps, total = loop.stats.steps, total + loop.stats.last_step_s
+    wall = time.perf_counter() - start
+    assert loop.stats.steps_ahead > 0
+    assert total <= wall, (total, wall, loop.stats)
 
 
 def test_nothing_runs_ahead_without_the_runner_or_the_option():

@@ -69,7 +69,7 @@ class LoopStats:
     generated_tokens: int = 0
     steps: int = 0
     step_tokens: int = 0            # tokens the last step ran through the model
-    last_step_s: float = 0.0
+    last_step_s: float = 0.0        # the last committed step's time (from its start or the commit before, the later)
     tokens_per_s: float = 0.0       # generated tokens per second over the last RATE_WINDOW steps
     runner_steps: int = 0           # decode steps run by the padded decode runner (graphs or not)
     graph_replays: int = 0          # of those, CUDA graph replays
@@ -210,6 +210,7 @@ class ServingLoop:
         self.stats = LoopStats()
         self._next_id = 0
         self._rate: collections.deque[tuple[float, int]] = collections.deque(maxlen=RATE_WINDOW)
+        self._committed_at = 0.0                # perf_counter of the last step's commit
         self._finished: list[Request] = []      # finished, not handed out yet
         self._progress = 0                      # steps in which some request got further than ever
         self.overlap = bool(overlap)
@@ -372,7 +373,7 @@ class ServingLoop:
     def _commit_step(self, batch: _Batch, sampling: list[Request], tokens: np.ndarray) -> None:
         with _HeldInterrupt():
             done = self._commit(batch, sampling, tokens)
-            self._account(batch, len(tokens), len(done), time.perf_counter() - batch.started)
+            self._account(batch, len(tokens), len(done))
             self._release_all(done)
 
     def _received(self, batch: _Batch, count: int) -> np.ndarray:
@@ -453,7 +454,7 @@ class ServingLoop:
         self._append_decoded(batch.requests, tokens.tolist())
         self.counters.last[batch.rows] = tokens
         self._progress += 1
-        self._account(batch, len(tokens), 0, time.perf_counter() - batch.started)
+        self._account(batch, len(tokens), 0)
 
     # -- scheduling -----------------------------------------------------------------------------
     def _schedule(self) -> _Batch:
@@ -821,7 +822,13 @@ class ServingLoop:
         to its workers first)."""
         return plan.forward(self.step_model, self.cache)
 
-    def _account(self, batch: _Batch, generated: int, finished: int, elapsed: float) -> None:
+    def _account(self, batch: _Batch, generated: int, finished: int) -> None:
+        """Count a committed step. Its time runs from its start or the last commit, whichever is
+        later: a step ahead is committed inside the next step() call, after that call launched
+        the next step, so the time from its own start would count that stretch twice."""
+        now = time.perf_counter()
+        elapsed = now - max(batch.started, self._committed_at)
+        self._committed_at = now
         s = self.stats
         s.steps += 1
         s.step_tokens = batch.tokens
