@@ -185,7 +185,7 @@ def oom(cfg: dict, workdir: str) -> dict:
 def model(cfg: dict, workdir: str) -> dict:
     """Hypothesis: random alloc / free / trim / limit sequences; after each step every rank maps
     exactly rank 0's page ids and the allocator's invariants hold."""
-    from hypothesis import given, settings
+    from hypothesis import example, given, settings
     from hypothesis import strategies as st
 
     world = dist.get_world_size()
@@ -200,6 +200,7 @@ def model(cfg: dict, workdir: str) -> dict:
 
     @settings(max_examples=cfg.get("examples", 25), deadline=None, database=None)
     @given(ops=steps)
+    @example(ops=[("alloc", 3 * BLOCKS_PER_PAGE)] * 3)   # past a small rank's pages: both outcomes, every run
     def run(ops):
         m = manager()
         live: list[list[int]] = []
