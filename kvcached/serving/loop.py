@@ -389,10 +389,15 @@ class ServingLoop:
         next step can only be those requests again (nothing waiting, no fair cap to follow)."""
         if not self.overlap or batch.device_tokens is None or len(batch.requests) != len(self.running):
             return False
-        if self.waiting or self.cache.shares_budget:
+        if not self._same_requests_next():
             return False
         counters = self.counters
         return bool((counters.length[batch.rows] + 1 < counters.end[batch.rows]).all())
+
+    def _same_requests_next(self) -> bool:
+        """Whether the next step can only run the running requests again: nothing waits to be
+        admitted and no fair budget may cap the cache."""
+        return not (self.waiting or self.cache.shares_budget)
 
     def _go_ahead(self, batch: _Batch) -> None:
         """Leave `batch` on the device: its requests' counters move on now, their tokens come at
@@ -411,7 +416,7 @@ class ServingLoop:
         """The step after the one ahead, if it is that step's requests decoding again (their
         next blocks given); None when the loop must catch up first (requests waiting, a fair
         budget, a block refused, no pad block)."""
-        if self.waiting or self.cache.shares_budget or self.pad_block is None:
+        if not self._same_requests_next() or self.pad_block is None:
             return None
         with _HeldInterrupt():
             cached = self._decoding(self.max_batch_tokens)
