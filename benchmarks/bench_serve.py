@@ -8,15 +8,17 @@ static torch cache, transformers' own continuous batching as the anchor, and the
 
 Every loop runs in the modes --modes lists: "eager" (every step a plain model call), "graphs"
 (decode-only steps replay a CUDA graph per padded batch size; on the CPU the same padded runner
-without capture) and "compiled" (graphs, over torch.compile's program of the model: every step
+without capture), "compiled" (graphs, over torch.compile's program of the model: every step
 compiled, the small ops fused; its first steps compile) and "overlap" (compiled, each decode step
-launched before the last one's tokens are read: Note [Steps ahead] in kvcached.serving.loop).
+launched before the last one's tokens are read: Note [Steps ahead] in kvcached.serving.loop; the
+loop's default on CUDA, turned off in the other modes).
 Prints three tables:
-1. decode step: median time of one decode step of `batch` requests (every request one new token,
-   contexts of --prompt tokens), static cache vs kvcached in alternating rounds, each mode;
-   tokens/s = batch / step time, and the host time of a step outside its model call (the
-   step() call's time less the launch of the model call or graph replay and the wait for the
-   device's tokens);
+1. decode step: time per decode step of `batch` requests (every request one new token, contexts
+   of --prompt tokens), --steps steps back to back with one device sync at the end, divided by
+   --steps (a step launched ahead finishes inside the next call), the median over the rounds;
+   static cache vs kvcached in alternating rounds, each mode; tokens/s = batch / step time, and
+   the host time of a step outside its model call (the step() call's time less the launch of the
+   model call or graph replay and the wait for the device's tokens);
 2. end to end: --requests requests of --prompt + --new tokens, greedy, tokens/s of the loop over
    each cache in each mode and of ``model.generate_batch`` (transformers' paged cache with its
    built-in sdpa attention, on the same weights) where this transformers runs it;
@@ -51,8 +53,8 @@ BLOCK_SIZE = 16
 # for a new shape class, seconds each; an engine does that at start-up)
 WARMUP_NEW_TOKENS = 4
 # ServingLoop's options per mode
-MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True},
-         "compiled": {"cuda_graphs": True, "compile_model": True},
+MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True, "overlap": False},
+         "compiled": {"cuda_graphs": True, "compile_model": True, "overlap": False},
          "overlap": {"cuda_graphs": True, "compile_model": True, "overlap": True}}
 
 
@@ -124,7 +126,11 @@ def make_caches(model, setup: Setup, num_blocks: int):
 
 def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list[tuple[float, float]]:
     """(seconds, host seconds outside the model call) of each of setup.steps decode steps of
-    `batch` requests (after prefill and 2 warm-up steps, which capture the batch's graph)."""
+    `batch` requests (after prefill and 2 warm-up steps, which capture the batch's graph). The
+    steps run back to back and the device is synchronised once, after the last: with overlap a
+    step launched ahead finishes inside the next call, so a sync before each step would absorb
+    its device time. The seconds are the total, final sync included, / setup.steps (the
+    steady-state time per step, the same in every mode); the host seconds are each call's own."""
     from kvcached.serving import ServingLoop
 
     warmup = 2
@@ -138,17 +144,20 @@ def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list
             loop.step()
         for _ in range(warmup):
             loop.step()
-        times = []
+        host = []
+        sync(setup.device)
+        first = time.perf_counter()
         for _ in range(setup.steps):
-            sync(setup.device)
             start = time.perf_counter()
-            loop.step()                                 # ends with the sampled tokens on the host
+            loop.step()                                 # with overlap, returns with its step still running
             elapsed = time.perf_counter() - start
             s = loop.stats
-            times.append((elapsed, elapsed - s.last_forward_s - s.last_wait_s))
+            host.append(elapsed - s.last_forward_s - s.last_wait_s)
+        sync(setup.device)
+        step = (time.perf_counter() - first) / setup.steps
         assert not loop.has_work(), loop.stats
         assert mode == "eager" or loop.stats.runner_steps >= setup.steps, loop.stats
-        return times
+        return [(step, h) for h in host]
     finally:
         loop.close()
 
@@ -189,7 +198,8 @@ def mixed_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list[
 
 def bench_decode(model, caches, setup: Setup) -> list[dict]:
     """Per batch size, setup.rounds rounds alternating the order of the runs (host-side drift
-    falls on all), the median over every timed step of a cache and mode."""
+    falls on all), the median over the rounds' time per step and over every timed step's host
+    time of a cache and mode."""
     rows = []
     names = [(cache, mode) for mode in setup.modes for cache in caches]
     for batch in setup.batches:

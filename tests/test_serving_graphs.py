@@ -354,6 +354,24 @@ def test_gpu_graphs_a_step_ahead_match_the_graphs_without(kv_env, squeeze):
 
 @pytest.mark.gpu
 @gpu
+def test_gpu_overlap_is_on_by_default_with_graphs(kv_env):
+    """A model on CUDA: a loop that replays graphs runs steps ahead unless told not to; one
+    without graphs has no runner to run ahead with."""
+    kv_env(LAYOUT="auto")
+    model = build_model("llama", dtype=torch.bfloat16, device="cuda")
+    init_kvcached(device="cuda:0")
+    cache = ElasticKVCache(model.config, 64, block_size=16, dtype=torch.bfloat16, device="cuda:0")
+    try:
+        for kwargs, overlap in [({}, True), ({"overlap": False}, False), ({"cuda_graphs": False}, False)]:
+            loop = ServingLoop(model, cache, max_running=4, **kwargs)
+            assert loop.overlap is overlap, kwargs
+            loop.close()
+    finally:
+        shutdown_kvcached()
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_compiled_graphs_match_the_compiled_runner(kv_env):
     """bf16, compile_model: graphs captured over the compiled program (kvcached's operator inside)
     against the same program run uncaptured, with preemptions and trims between replays."""

@@ -66,6 +66,15 @@ def test_decode_steps_run_ahead_with_generates_tokens(family):
     assert make(False).stats.steps_ahead == 0
 
 
+def test_overlap_is_off_by_default_on_the_cpu():
+    """The padded runner on the CPU runs eagerly: nothing to overlap, so overlap stays off unless
+    asked for (on CUDA it is on by default: tests/test_serving_graphs.py)."""
+    model = serving_model("llama")
+    cache = StaticKVCache(model.config, 16, block_size=4)
+    assert ServingLoop(model, cache, cuda_graphs=True).overlap is False
+    assert ServingLoop(model, cache, cuda_graphs=True, overlap=True).overlap is True
+
+
 @pytest.mark.parametrize("max_new", [2, 3, 10])
 def test_every_step_launched_ahead_is_counted(max_new):
     """Requests admitted together: their prefill gives token 1 and a plain decode step token 2,
