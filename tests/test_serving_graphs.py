@@ -388,15 +388,22 @@ def test_gpu_compiled_graphs_match_the_compiled_runner(kv_env):
 @gpu
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gpu_graphs_match_the_eager_loop(kv_env, family):
-    """bf16: the graph loop against the plain eager loop (unpadded decode batches). Identical as
-    long as the matmuls of a padded batch compute each row as the unpadded batch does."""
+    """bf16: the graph loop against the plain eager loop (unpadded decode batches). cuBLAS picks
+    its GEMM kernel by the number of rows, so a padded batch may round a row differently from
+    the unpadded one, and a near tie of two logits can then pick another token and the request
+    goes on from there (on the H200 one request of 24 did so, after 6 equal tokens). Wrong
+    tables, positions or lanes would change nearly every request at its first decode step, so
+    all but two must match in full; bit-identical tokens are checked against the uncaptured
+    runner, which pads the same way (test_gpu_graphs_match_the_uncaptured_runner)."""
     kv_env(LAYOUT="auto")
     model = build_model(family, dtype=torch.bfloat16, device="cuda")
     requests = gpu_workload(seed=10 + FAMILIES.index(family))
     eager, eager_stats = gpu_serve(model, requests, graphs=False, squeeze=True)
     replayed, stats = gpu_serve(model, requests, graphs=True, squeeze=True)
     assert eager_stats.runner_steps == 0 and stats.graph_replays > 0
-    assert replayed == eager
+    assert replayed.keys() == eager.keys()
+    differing = [index for index in eager if replayed[index] != eager[index]]
+    assert len(differing) <= 2, differing
 
 
 def wide_kv_model():
