@@ -71,8 +71,10 @@ def test_overlap_is_off_by_default_on_the_cpu():
     asked for (on CUDA it is on by default: tests/test_serving_graphs.py)."""
     model = serving_model("llama")
     cache = StaticKVCache(model.config, 16, block_size=4)
-    assert ServingLoop(model, cache, cuda_graphs=True).overlap is False
-    assert ServingLoop(model, cache, cuda_graphs=True, overlap=True).overlap is True
+    for kwargs, overlap in [({}, False), ({"overlap": True}, True)]:
+        loop = ServingLoop(model, cache, cuda_graphs=True, **kwargs)
+        assert loop.overlap is overlap, kwargs
+        loop.close()
 
 
 @pytest.mark.parametrize("max_new", [2, 3, 10])

@@ -187,7 +187,10 @@ def test_eight_processes_never_exceed_the_budget(name):
     Each worker shadows what it holds in ``actual`` (raised only after an acquisition succeeded,
     lowered before a release). While the sampler holds the budget's shared flock no acquisition
     can complete, so the shadows must sum to at most the budget: a broken lock would let them
-    exceed it."""
+    exceed it. The total is the sum of the slots, except while the killed worker's slot is
+    still there: killed between its two writes (Note [The total is the sum of the slots] in
+    kvcached.shm.budget) it leaves the two apart until a reclaim recounts, the total then still
+    at least what the others hold."""
     budget_bytes, workers, seconds = 8 * MiB, 8, 2.0
     set_budget(name, budget_bytes)
     actual_path = f"/dev/shm/test-actual-{name}"
@@ -220,7 +223,12 @@ def test_eight_processes_never_exceed_the_budget(name):
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             assert shadow <= budget_bytes, (shadow, snap)
-            assert snap.held_bytes == sum(h.held_bytes for h in snap.holders) <= budget_bytes
+            assert snap.held_bytes <= budget_bytes, snap
+            others = sum(h.held_bytes for h in snap.holders if h.pid != procs[0].pid)
+            if killed_share is not None and any(h.pid == procs[0].pid for h in snap.holders):
+                assert others <= snap.held_bytes, snap
+            else:
+                assert snap.held_bytes == sum(h.held_bytes for h in snap.holders), snap
             samples += 1
             time.sleep(0.002)
         os.close(fd)
