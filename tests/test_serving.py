@@ -318,11 +318,14 @@ def test_a_cap_the_live_blocks_fit_moves_blocks_instead_of_preempting(elastic, b
     squeeze.check()
 
 
-def test_two_loops_share_a_fair_budget_and_lose_nothing(kv_env, budget_name):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_two_loops_share_a_fair_budget_and_lose_nothing(kv_env, budget_name, overlap):
     """The fair policy: loop A alone maps the whole budget; once loop B has requests waiting, A is
     capped at about half, preempts at once what it holds beyond that, and B maps at least a third
     of the budget within the timeout. The budget is never exceeded, and every request of both
-    finishes with generate's tokens."""
+    finishes with generate's tokens. With overlap (the padded runner, eager on the CPU) the
+    loops also run decode steps ahead while nothing waits and nothing is beyond their cap, and
+    a cap that comes meanwhile is still followed."""
     kv_env(LAYOUT="interleaved", MIN_RESERVED_PAGES=0, MAX_RESERVED_PAGES=1, GLOBAL_BUDGET=budget_name,
            GLOBAL_BUDGET_BYTES="1G")
     init_kvcached(device="cpu", page_size_bytes=PAGE_BYTES)
@@ -332,7 +335,7 @@ def test_two_loops_share_a_fair_budget_and_lose_nothing(kv_env, budget_name):
     budget = 12 * page
     set_budget(budget_name, budget)
     assert read_budget(budget_name).policy == "fair"
-    loops = [ServingLoop(model, cache) for cache in caches]
+    loops = [ServingLoop(model, cache, cuda_graphs=overlap, overlap=overlap) for cache in caches]
     requests = [[(0, prompt, 40) for _, prompt, _ in workload(seed=seed, count=16)] for seed in (4, 5)]
     ids: list[dict[int, int]] = [{}, {}]
     results: list[dict[int, list[int]]] = [{}, {}]
@@ -355,6 +358,7 @@ def test_two_loops_share_a_fair_budget_and_lose_nothing(kv_env, budget_name):
         step(1)
     for i in (0, 1):
         check_tokens("llama", requests[i], results[i])
+        assert (loops[i].stats.steps_ahead > 0) is overlap, loops[i].stats
         loops[i].close()
 
 

@@ -156,7 +156,7 @@ class ServingLoop:
     uncompiled model up to floating-point rounding.
 
     overlap: a decode step through the runner that leaves every request running (nothing
-    waiting, no request finishing, no fair budget to follow) is not waited for: the next step
+    waiting, no request finishing, nothing beyond a fair cap) is not waited for: the next step
     is scheduled, packed and launched first, its tokens fed from the device, and then the
     earlier step's tokens are read and committed, so the host's work between steps runs while
     the device computes (Note [Steps ahead]). Requests then trail the device by one step
@@ -388,7 +388,7 @@ class ServingLoop:
     def _stays_ahead(self, batch: _Batch) -> bool:
         """Whether a step just launched may stay on the device uncommitted while the next one is
         launched: the runner ran it over every running request, none finishes with it, and the
-        next step can only be those requests again (nothing waiting, no fair cap to follow)."""
+        next step can only be those requests again (nothing waiting, nothing beyond a fair cap)."""
         if not self.overlap or batch.device_tokens is None or len(batch.requests) != len(self.running):
             return False
         if not self._same_requests_next():
@@ -398,8 +398,10 @@ class ServingLoop:
 
     def _same_requests_next(self) -> bool:
         """Whether the next step can only run the running requests again: nothing waits to be
-        admitted and no fair budget may cap the cache."""
-        return not (self.waiting or self.cache.shares_budget)
+        admitted (so the demand last reported is none) and the cache holds nothing beyond a fair
+        budget's cap (a cap that comes while a step is ahead is followed at the next schedule,
+        one step later)."""
+        return not self.waiting and self.cache.over_limit_blocks() <= 0 and self.cache.over_limit_pages() <= 0
 
     def _go_ahead(self, batch: _Batch) -> None:
         """Leave `batch` on the device: its requests' counters move on now, their tokens come at
@@ -416,8 +418,8 @@ class ServingLoop:
 
     def _next_decode(self) -> _Batch | None:
         """The step after the one ahead, if it is that step's requests decoding again (their
-        next blocks given); None when the loop must catch up first (requests waiting, a fair
-        budget, a block refused, no pad block)."""
+        next blocks given); None when the loop must catch up first (requests waiting, blocks
+        beyond a fair cap, a block refused, no pad block)."""
         if not self._same_requests_next() or self.pad_block is None:
             return None
         with _HeldInterrupt():
@@ -966,7 +968,9 @@ class ServingLoop:
 # graph). The tokens come back through two pinned buffers in turn, so the next step's copy never
 # lands on the one the host is about to read. A step stays ahead only while nothing could change
 # the batch: the runner ran it over every running request, none finishes with it, nothing waits
-# and no fair budget is followed; otherwise, or when the next step's alloc is refused, the loop
+# and the cache holds nothing beyond a fair budget's cap (with nothing waiting its demand is none,
+# so it caps nobody else; a cap that comes meanwhile is followed one step later, at the next
+# schedule); otherwise, or when the next step's alloc is refused, the loop
 # commits the step ahead first (_finish_ahead) and steps as without overlap, and so do abort,
 # close, capture_graphs and check_invariants. A failure keeps Note [Failed steps]: a next step
 # that fails to launch commits the step ahead and raises; a wait that fails moves the step
