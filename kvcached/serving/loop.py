@@ -215,7 +215,7 @@ class ServingLoop:
         self._committed_at = 0.0                # perf_counter of the last step's commit
         self._finished: list[Request] = []      # finished, not handed out yet
         self._progress = 0                      # steps in which some request got further than ever
-        self.overlap = self.runner is not None and self.device.type == "cuda" if overlap is None else bool(overlap)
+        self.overlap = (self.runner is not None and self.runner.capture) if overlap is None else bool(overlap)
         self._ahead: _Batch | None = None       # a launched decode step not committed yet (Note [Steps ahead])
 
     # -- requests -----------------------------------------------------------------------------
