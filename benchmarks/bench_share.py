@@ -127,6 +127,7 @@ def instance(index: int, setup: Setup, env: dict, limit: int | None, arrivals: l
     if setup.threads:
         torch.set_num_threads(setup.threads)
     from kvcached import config, init_kvcached
+    from kvcached.limits import I64_MAX
     from kvcached.serving import ElasticKVCache, ServingLoop, build_model, kv_geometry
 
     config.reload_settings()
@@ -146,6 +147,7 @@ def instance(index: int, setup: Setup, env: dict, limit: int | None, arrivals: l
     rng = random.Random(setup.seed * 1000 + index)
     prompts = [[rng.randrange(1, model.config.vocab_size) for _ in range(setup.prompt)] for _ in arrivals]
     samples: list[tuple[float, int]] = []
+    caps: list[tuple[float, int | None]] = []       # the budget's cap on this instance; None: uncapped
     stop = threading.Event()
     ready.set()
     while start.value == 0.0:
@@ -154,7 +156,10 @@ def instance(index: int, setup: Setup, env: dict, limit: int | None, arrivals: l
 
     def sample() -> None:
         while not stop.is_set():
-            samples.append((time.monotonic() - t0, cache.mapped_bytes()))
+            share = cache.manager.share()
+            now = time.monotonic() - t0
+            samples.append((now, cache.mapped_bytes()))
+            caps.append((now, None if share is None or share["cap_bytes"] >= I64_MAX else share["cap_bytes"]))
             time.sleep(setup.sample_s)
 
     while time.monotonic() < t0:
@@ -164,6 +169,7 @@ def instance(index: int, setup: Setup, env: dict, limit: int | None, arrivals: l
     ids: dict[int, int] = {}            # request id -> index into arrivals
     first: dict[int, float] = {}
     finish: dict[int, float] = {}
+    preempted: dict[int, int] = {}
     tokens = 0
     added = 0
     try:
@@ -184,6 +190,7 @@ def instance(index: int, setup: Setup, env: dict, limit: int | None, arrivals: l
             for r in done:
                 first.setdefault(r.id, now)
                 finish[r.id] = now
+                preempted[r.id] = r.preemptions
                 tokens += len(r.generated)
             if loop.stats.step_tokens == 0 and not done:
                 time.sleep(0.001)       # nothing ran: waiting for memory another instance holds
@@ -193,9 +200,10 @@ def instance(index: int, setup: Setup, env: dict, limit: int | None, arrivals: l
         preemptions, moved = loop.stats.preemptions, loop.stats.blocks_moved
         loop.close()
         cache.close()
-    requests = [{"arrival": arrivals[i], "first": first.get(rid), "finish": finish.get(rid)} for rid, i in ids.items()]
+    requests = [{"arrival": arrivals[i], "first": first.get(rid), "finish": finish.get(rid),
+                 "preemptions": preempted.get(rid, 0)} for rid, i in ids.items()]
     results.put({"model": index, "requests": requests, "tokens": tokens, "preemptions": preemptions,
-                 "blocks_moved": moved, "samples": samples})
+                 "blocks_moved": moved, "samples": samples, "caps": caps})
 
 
 # -- one setup --------------------------------------------------------------------------------------
@@ -259,7 +267,9 @@ def summarize(name: str, out: dict[int, dict], trace: list[list[float]]) -> dict
                      "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
                      "tokens": r["tokens"], "tokens_per_s": r["tokens"] / span if span > 0 else None,
                      "preemptions": r["preemptions"], "blocks_moved": r["blocks_moved"], "peak_mapped": max((b for _, b in r["samples"]), default=0)})
-    return {"setup": name, "rows": rows, "samples": {m: out[m]["samples"] for m in range(MODELS)}}
+    return {"setup": name, "rows": rows, "samples": {m: out[m]["samples"] for m in range(MODELS)},
+            "caps": {m: out[m]["caps"] for m in range(MODELS)},
+            "requests": {m: out[m]["requests"] for m in range(MODELS)}}
 
 
 # -- report -----------------------------------------------------------------------------------------
@@ -291,6 +301,9 @@ def plot(results: list[dict], setup: Setup, trace: list[list[float]], path: str)
         for m in range(MODELS):
             samples = res["samples"][m]
             ax.plot([t for t, _ in samples], [b / (1 << 20) for _, b in samples], label=f"model {m}", lw=1)
+            capped = [(t, c / (1 << 20)) for t, c in res["caps"][m] if c is not None]
+            if capped:
+                ax.scatter(*zip(*capped), s=2, color=f"C{m}", marker=".", label=f"model {m} cap")
         ax.axhline(setup.budget / (1 << 20), color="k", ls="--", lw=0.8, label="budget")
         if res["setup"] == "static":
             ax.axhline(setup.budget / MODELS / (1 << 20), color="grey", ls=":", lw=0.8, label="static limit")
