@@ -60,15 +60,39 @@ def reference_model(family: str):
     return build_model(family, attn_implementation="sdpa")
 
 
+TIE = 1e-4      # two logits closer than this: a batched step's fp32 rounding may pick either
+
+
 @functools.cache
-def expected(family: str, prompt: tuple, max_new_tokens: int) -> list[int]:
+def reference(family: str, prompt: tuple, max_new_tokens: int) -> tuple[list[int], list[tuple[int, float]]]:
     """Greedy tokens of transformers' generate with its dense cache (the mask is given: without
-    it generate would hide every token equal to the pad id)."""
+    it generate would hide every token equal to the pad id), and at each position the runner-up
+    token and its distance to the best logit."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
-        out = reference_model(family).generate(ids, attention_mask=torch.ones_like(ids),
-                                               max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(prompt):].tolist()
+        out = reference_model(family).generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                               do_sample=False, output_scores=True, return_dict_in_generate=True)
+    runners_up = []
+    for scores in out.scores:
+        top = scores[0].topk(2)
+        runners_up.append((int(top.indices[1]), float(top.values[0] - top.values[1])))
+    return out.sequences[0, len(prompt):].tolist(), runners_up
+
+
+def expected(family: str, prompt: tuple, max_new_tokens: int) -> list[int]:
+    return reference(family, prompt, max_new_tokens)[0]
+
+
+def assert_generates(family: str, prompt, max_new_tokens: int, tokens: list[int], what: str = "") -> None:
+    """`tokens` are generate's, or the same up to a position where generate's two best logits
+    tie within TIE and `tokens` took the runner-up (what follows then differs by right)."""
+    want, runners_up = reference(family, tuple(prompt), max_new_tokens)
+    if tokens == want:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))
+    tie = at < min(len(tokens), len(want)) and runners_up[at] == (tokens[at], runners_up[at][1]) \
+        and runners_up[at][1] < TIE
+    assert tie, f"{what} prompt {list(prompt)}: tokens {tokens} part from generate's {want} at {at}"
 
 
 def workload(seed: int, count: int = 6, longest: int = 30, max_new: int = 24) -> list[tuple[int, list[int], int]]:
@@ -102,7 +126,7 @@ def serve(loop: ServingLoop, requests, during=None, max_steps: int = 10_000) -> 
 def check_tokens(family: str, requests, results: dict[int, list[int]]) -> None:
     assert sorted(results) == list(range(len(requests))), "a request was lost"
     for index, (_, prompt, max_new) in enumerate(requests):
-        assert results[index] == expected(family, tuple(prompt), max_new), f"request {index}, prompt {prompt}"
+        assert_generates(family, prompt, max_new, results[index], f"request {index}")
 
 
 @pytest.fixture
@@ -453,7 +477,7 @@ def test_abort_frees_blocks_and_leaves_the_others_intact(elastic):
     results = loop.run_until_done()
     assert sorted(results) == [ids[1], ids[2]]
     for index in (1, 2):
-        assert results[ids[index]] == expected("llama", tuple(requests[index][1]), 12)
+        assert_generates("llama", requests[index][1], 12, results[ids[index]])
     assert cache.manager.stats()["allocated"] == 0
 
 

@@ -17,7 +17,7 @@ import test_serving
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serving import FAMILIES, NUM_BLOCKS, FitLimit, expected, serving_model, workload
+from test_serving import FAMILIES, NUM_BLOCKS, FitLimit, check_tokens, serving_model, workload
 from test_serving_faults import Injected, failing, fault_points, serve_stepping
 
 from kvcached import core, init_kvcached, shutdown_kvcached
@@ -27,12 +27,6 @@ from kvcached.serving.graphs import decode_buckets
 BATCHES = (1, 3, 8, 9, 17)
 elastic = test_serving.elastic              # fixtures, used by name
 one_thread = test_serving.one_thread
-
-
-def check_generate(family: str, requests, results: dict[int, list[int]]) -> None:
-    assert sorted(results) == list(range(len(requests))), "a request was lost"
-    for index, (_, prompt, max_new) in enumerate(requests):
-        assert results[index] == expected(family, tuple(prompt), max_new), f"request {index}, prompt {prompt}"
 
 
 def together(seed: int, count: int, longest: int = 20, max_new: int = 16):
@@ -63,7 +57,7 @@ def test_runner_matches_eager_and_generate(family, batch):
         loops[graphs] = ServingLoop(model, cache, max_running=17, cuda_graphs=graphs)
     assert loops[False].runner is None and loops[False].pad_block is None
     results = {graphs: serve_stepping(loop, requests)[0] for graphs, loop in loops.items()}
-    check_generate(family, requests, results[True])
+    check_tokens(family, requests, results[True])
     assert results[True] == results[False]
     runner = loops[True].stats
     assert runner.runner_steps > 0 and runner.graph_replays == 0
@@ -91,7 +85,7 @@ def test_compiled_model_matches_generate(graphs):
         assert stats.preemptions > 0 and stats.eager_steps > 0
         assert (stats.runner_steps > 0) == graphs
         assert loop.step_model is not model
-    check_generate("mistral", requests, results)
+    check_tokens("mistral", requests, results)
 
 
 def test_cuda_graphs_default_is_off_on_the_cpu():
@@ -115,7 +109,7 @@ def test_random_arrivals_match_generate(seed, family, max_running, max_batch_tok
     with ServingLoop(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running,
                      cuda_graphs=True) as loop:
         results, _ = serve_stepping(loop, requests)
-        check_generate(family, requests, results)
+        check_tokens(family, requests, results)
         assert cache.available_blocks() == num_blocks - 1
     assert cache.available_blocks() == num_blocks
 
@@ -148,7 +142,7 @@ def test_limit_drop_unmaps_between_runner_calls(elastic, family):
         if 8 < step < 48 and cache.manager.memory_limit()["status"] == "applied":
             assert cache.mapped_bytes() <= 3 * page
         step += 1
-    check_generate(family, requests, results)
+    check_tokens(family, requests, results)
     assert loop.stats.preemptions > 0 and loop.stats.runner_steps > 0
     assert cache.manager.stats()["allocated"] == 1
     loop.close()
@@ -166,7 +160,7 @@ def test_pad_block_comes_once_the_cache_has_room(elastic):
     cache.manager.set_memory_limit(-1, revision=2)
     requests = together(seed=9, count=4)
     results, _ = serve_stepping(loop, requests)
-    check_generate("llama", requests, results)
+    check_tokens("llama", requests, results)
     assert loop.pad_block is not None and loop.stats.runner_steps > 0
     loop.close()
     assert cache.manager.stats()["allocated"] == 0
@@ -192,7 +186,7 @@ def test_failed_runner_steps_are_redone(elastic, point):
     with failing(model, [(3, point), (4, point), (8, point)]) as done:
         results, failures = serve_stepping(loop, requests, catch=Injected)
     assert failures == len(done.raised) == 3
-    check_generate("llama", requests, results)
+    check_tokens("llama", requests, results)
     assert loop.stats.runner_steps > 3
 
 

@@ -107,6 +107,31 @@ class PagedKVCache:
         for kv in self.kv:      # indexing touches only these blocks; index_select / index_copy_ over
             kv[:, target] = kv[:, source]   # the [2, N, ...] view faulted on unmapped host pages
 
+    def swap_bytes(self, num_blocks: int) -> int:
+        """Host bytes swap_out takes for num_blocks blocks (K and V, every layer)."""
+        return 2 * self.num_layers * num_blocks * self.block_size * self.cell_bytes
+
+    def swap_out(self, ids: list[int]) -> torch.Tensor:
+        """A host copy of blocks `ids` (K and V, every layer), queued on the current stream: pinned
+        memory on CUDA, so the copy runs without the host waiting for it. The blocks may be freed
+        and reused right after: their next writes come later on the same stream. Read it only
+        through swap_in (on the same stream). See Note [Swapping out] in kvcached.serving.loop."""
+        device = self.kv[0].device
+        source = torch.tensor(ids, dtype=torch.int64, device=device)
+        first = self.kv[0]
+        host = torch.empty((len(self.kv), 2, len(ids), *first.shape[2:]), dtype=first.dtype,
+                           pin_memory=device.type == "cuda")
+        for layer, kv in enumerate(self.kv):
+            host[layer].copy_(kv[:, source], non_blocking=True)     # indexing touches only these blocks
+        return host
+
+    def swap_in(self, host: torch.Tensor, ids: list[int]) -> None:
+        """Write a swap_out copy into blocks `ids` (as many as it holds), queued on the current stream."""
+        device = self.kv[0].device
+        target = torch.tensor(ids, dtype=torch.int64, device=device)
+        for layer, kv in enumerate(self.kv):
+            kv[:, target] = host[layer].to(device, non_blocking=True)
+
     def mapped_bytes(self) -> int:
         """Device memory the cache holds now."""
         raise NotImplementedError

@@ -32,6 +32,17 @@ from .graphs import DecodeRunner
 from .plan import StepPlan
 
 RATE_WINDOW = 32                # steps over which stats.tokens_per_s is measured
+SWAP_BYTES = 4 << 30            # host memory a loop may keep preempted requests' K/V in, by default
+
+
+@dataclass
+class SwappedKV:
+    """A preempted request's K/V kept on the host (Note [Swapping out]): the first `cached`
+    tokens' blocks, as PagedKVCache.swap_out copied them."""
+
+    host: torch.Tensor
+    cached: int
+    nbytes: int
 
 
 @dataclass
@@ -47,6 +58,7 @@ class Request:
     most_cached: int = 0            # the most tokens it ever had cached (progress: Note [Stalls])
     preemptions: int = 0
     row: int = -1                   # its block-table row while running (kvcached.serving.buffers)
+    swapped: SwappedKV | None = None    # its K/V on the host while it waits after a preemption
 
     @property
     def generated(self) -> list[int]:
@@ -65,6 +77,8 @@ class LoopStats:
     waiting: int = 0
     finished: int = 0
     preemptions: int = 0
+    swapped_out: int = 0            # preemptions that kept the request's K/V on the host (Note [Swapping out])
+    swapped_in: int = 0             # readmissions that copied it back instead of recomputing it
     blocks_moved: int = 0           # blocks moved to empty pages instead of preempting (Note [Fair share in the loop])
     generated_tokens: int = 0
     steps: int = 0
@@ -165,6 +179,12 @@ class ServingLoop:
     replays CUDA graphs (a model on CUDA), off elsewhere; on an H200 it took end-to-end serving
     from 9297 to 9431 new tokens/s (benchmarks/README.md).
 
+    swap_bytes: host memory the loop may keep preempted requests' K/V in (default 4 GiB, pinned
+    on CUDA): a preempted request's cached blocks are copied to the host before they are freed
+    and copied back when it is admitted again, instead of recomputing its prompt and tokens
+    (Note [Swapping out]). A preemption beyond it, or whose host memory cannot be had, recomputes
+    as with 0. Tokens are the same either way.
+
     A step that raises (the model call: device out of memory, a kernel error, Ctrl-C; or the
     cache's alloc) changes no request's tokens or cached count: call step() or run_until_done()
     again and it redoes that work, the tokens as in an undisturbed run (Note [Failed steps]).
@@ -175,7 +195,7 @@ class ServingLoop:
 
     def __init__(self, model, cache, *, max_batch_tokens: int = 2048, max_running: int = 256,
                  max_tokens: int | None = None, cuda_graphs: bool | None = None, compile_model: bool = False,
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, swap_bytes: int = SWAP_BYTES):
         implementation = getattr(model.config, "_attn_implementation", None)
         if implementation != ATTENTION_NAME:
             raise ValueError(f"the model runs attn_implementation={implementation!r}; build it with "
@@ -187,6 +207,8 @@ class ServingLoop:
         self.cache = cache
         self.max_batch_tokens = as_int(max_batch_tokens, "max_batch_tokens", minimum=1, error=ValueError)
         self.max_running = as_int(max_running, "max_running", minimum=1, error=ValueError)
+        self.swap_bytes = as_int(swap_bytes, "swap_bytes", minimum=0, error=ValueError)
+        self.swapped_bytes = 0                  # host bytes the waiting requests' SwappedKV hold
         self.device = next(model.parameters()).device
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
@@ -249,6 +271,7 @@ class ServingLoop:
             for index, request in enumerate(queue):
                 if request.id == request_id:
                     self._release(request)          # first: if the free raises, the request stays
+                    self._drop_swap(request)
                     del queue[index]
                     self._running_rows = None
                     self._give_row(request)
@@ -267,6 +290,7 @@ class ServingLoop:
         self._finish_ahead()
         held: set[int] = set() if self.pad_block is None else {self.pad_block}
         rows: set[int] = set()
+        swapped = 0
         size = self.cache.block_size
         queues = (("running", self.running), ("waiting", self.waiting), ("finished", self._finished))
         for name, queue in queues:
@@ -288,6 +312,11 @@ class ServingLoop:
                 if name == "waiting" and (request.num_cached or request.blocks):
                     problems.append(f"waiting request {request.id} has {request.num_cached} tokens cached in "
                                     f"{len(request.blocks)} blocks")
+                if request.swapped is not None:
+                    swapped += request.swapped.nbytes
+                    if name != "waiting" or not 0 < request.swapped.cached < len(request.tokens):
+                        problems.append(f"request {request.id} ({name}) keeps {request.swapped.cached} tokens "
+                                        f"swapped out of {len(request.tokens)}")
                 if (request.row >= 0) != (name == "running") or request.row in rows:
                     problems.append(f"request {request.id} ({name}) has block-table row {request.row}")
                 elif name == "running":
@@ -299,6 +328,9 @@ class ServingLoop:
                         problems.append(f"request {request.id}: {disagreement}")
         if self._running_rows is not None and self._running_rows.tolist() != [r.row for r in self.running]:
             problems.append("the running requests' rows are stale")
+        if swapped != self.swapped_bytes or swapped > self.swap_bytes:
+            problems.append(f"the swapped-out requests hold {swapped} bytes, the loop counts {self.swapped_bytes} "
+                            f"(swap_bytes={self.swap_bytes})")
         if len(self.running) > self.max_running:
             problems.append(f"{len(self.running)} running, max_running={self.max_running}")
         assert not problems, "; ".join(problems)
@@ -479,9 +511,12 @@ class ServingLoop:
             budget -= sum(counts)
         while self.waiting and budget and not (preempted or gave_back) and len(self.running) < self.max_running:
             request = self.waiting[0]
-            n = min(len(request.tokens), budget)
-            if not self._grow(request, n):
+            cached = 0 if request.swapped is None else request.swapped.cached
+            n = min(len(request.tokens) - cached, budget)
+            if not self._grow(request, cached + n):
                 break
+            if request.swapped is not None:
+                self._swap_in(request)
             self.waiting.popleft()
             self.running.append(request)
             self._running_rows = None
@@ -641,22 +676,62 @@ class ServingLoop:
             if tokens <= 0:
                 break
             blocks += -(-len(request.tokens) // size)
-            tokens -= len(request.tokens)
+            tokens -= len(request.tokens) - (0 if request.swapped is None else request.swapped.cached)
         self.cache.report_demand(blocks)
 
     def _preempt_newest(self) -> None:
         self._preempt(self.running[-1])
 
     def _preempt(self, request: Request) -> None:
-        """Free a running request's blocks and put it first in the queue, to be recomputed."""
-        self._release(request)                  # first: if the free raises, nothing changed
+        """Free a running request's blocks and put it first in the queue, its K/V kept on the
+        host if swap_bytes allows (Note [Swapping out]), to be recomputed otherwise."""
+        swapped = self._swap_out(request)
+        self._release(request)                  # if the free raises, nothing changed (the copy is dropped)
         self.running.remove(request)
         self._running_rows = None
         self._give_row(request)
         request.num_cached = 0
         request.preemptions += 1
+        if swapped is not None:
+            request.swapped = swapped
+            self.swapped_bytes += swapped.nbytes
+            self.stats.swapped_out += 1
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
+
+    def _swap_out(self, request: Request) -> SwappedKV | None:
+        """A host copy of what the request has cached, or None (recompute it) when it has
+        nothing cached, the copy would pass swap_bytes, or the host memory for it cannot be had."""
+        cache = self.cache
+        blocks = -(-request.num_cached // cache.block_size)
+        nbytes = cache.swap_bytes(blocks)
+        if not request.num_cached or self.swapped_bytes + nbytes > self.swap_bytes:
+            return None
+        try:
+            host = cache.swap_out(request.blocks[:blocks])
+        except RuntimeError:                    # host memory short (pinned or not): recomputing still works
+            return None
+        return SwappedKV(host, request.num_cached, nbytes)
+
+    def _swap_in(self, request: Request) -> None:
+        """Copy a readmitted request's swapped-out K/V into the blocks it was just given. If the
+        copy raises, the blocks go back and the request waits, to be recomputed."""
+        swapped = request.swapped
+        assert swapped is not None
+        try:
+            self.cache.swap_in(swapped.host, request.blocks[:swapped.host.shape[2]])
+        except BaseException:
+            self._release(request)
+            self._drop_swap(request)
+            raise
+        self._drop_swap(request)
+        request.num_cached = swapped.cached
+        self.stats.swapped_in += 1
+
+    def _drop_swap(self, request: Request) -> None:
+        if request.swapped is not None:
+            self.swapped_bytes -= request.swapped.nbytes
+            request.swapped = None
 
     def _release(self, request: Request) -> None:
         if request.blocks:
@@ -869,6 +944,23 @@ class ServingLoop:
 # is admitted again its prompt and those tokens are recomputed in one prefill, so the tokens that
 # follow are the ones it would have produced without the interruption; no request is dropped. If
 # the request that needs a block is itself the newest, it is the one preempted.
+#
+# Note [Swapping out]
+# Recomputing a preempted request costs a prefill of everything it had: on the H200 ~25-40 ms of
+# the device for a 512-token prompt and its tokens so far, against ~3 ms to copy its 70-100 MB of
+# K/V to pinned host memory and back. Under a fair budget that matters: every cap is met by
+# preempting, and the fair setup of bench_share preempted ~95 times in 30 s against ~12 under
+# first come, its recomputation taking device time from all three instances. So _preempt first
+# queues a copy of the blocks that hold the request's cached tokens to the host (swap_out, on the
+# stream the model runs on), then frees them as before: whatever later writes those blocks, or
+# the fence before their page is unmapped, comes after the copy on the same stream. The request
+# waits at the front of the queue as before, holding no block; when admitted it is given blocks
+# for its cached tokens and the step's new ones, the host copy is written into them (swap_in,
+# again on the stream, so the step that reads them comes after), and it goes on from its cached
+# count, usually as one more decode row. The host bytes are bounded by swap_bytes; a preemption
+# beyond them, one with nothing cached, or one whose host memory cannot be had is recomputed.
+# An abort drops the copy. The tensor-parallel loop does not swap: each rank holds its own
+# shard of the K/V, and would have to copy it to its own host.
 #
 # Note [Fair share in the loop]
 # Under a global budget of the fair policy (kvcached.shm.fairness) each step tells the cache what

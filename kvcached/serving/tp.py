@@ -44,7 +44,8 @@ class TensorParallelLoop(ServingLoop):
     requests stay on the loop as they were, and close() sends nothing. See Note [Leader and workers].
 
     Its steps run eagerly (no CUDA graphs, See Note [Decode graphs] in kvcached.serving.graphs),
-    packed into the same persistent buffers as ServingLoop's.
+    packed into the same persistent buffers as ServingLoop's. A preempted request is recomputed,
+    never swapped out (swap_bytes=0): each rank would have to copy its own shard to its host.
 
     Raises ValueError when the model is not split for this rank (rank 0 of the group), or the
     cache holds another number of KV heads than the shard.
@@ -57,7 +58,7 @@ class TensorParallelLoop(ServingLoop):
             raise ValueError(f"TensorParallelLoop runs on rank 0 of the group, this is rank {shard.rank}; "
                              f"run TensorParallelWorker(model, cache).run() there")
         super().__init__(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running,
-                         max_tokens=max_tokens, cuda_graphs=False)
+                         max_tokens=max_tokens, cuda_graphs=False, swap_bytes=0)
         self.group = group
         self.closed = False
         self.failed: str | None = None  # the exception of a step that failed once sent
