@@ -18,7 +18,8 @@ same trace runs under three setups:
 3. fair: budget policy fair (weighted max-min, equal weights; the default of a new budget).
 
 Per setup and model: TTFT p50/p99 (arrival to the first generated token), throughput (generated
-tokens over the instance's run, first arrival to its last finish), preemptions, requests finished
+tokens over the instance's run, first arrival to its last finish), preemptions (of which swapped out to the
+host rather than recomputed), requests finished
 vs arrived (the run drains the queue: every request finishes). The memory each instance maps over
 time goes to a PNG (--png), one panel per setup.
 """
@@ -197,13 +198,13 @@ def instance(index: int, setup: Setup, env: dict, limit: int | None, arrivals: l
     finally:
         stop.set()
         sampler.join()
-        preemptions, moved = loop.stats.preemptions, loop.stats.blocks_moved
+        preemptions, moved, swapped = loop.stats.preemptions, loop.stats.blocks_moved, loop.stats.swapped_out
         loop.close()
         cache.close()
     requests = [{"arrival": arrivals[i], "first": first.get(rid), "finish": finish.get(rid),
                  "preemptions": preempted.get(rid, 0)} for rid, i in ids.items()]
     results.put({"model": index, "requests": requests, "tokens": tokens, "preemptions": preemptions,
-                 "blocks_moved": moved, "samples": samples, "caps": caps})
+                 "swapped_out": swapped, "blocks_moved": moved, "samples": samples, "caps": caps})
 
 
 # -- one setup --------------------------------------------------------------------------------------
@@ -266,7 +267,7 @@ def summarize(name: str, out: dict[int, dict], trace: list[list[float]]) -> dict
         rows.append({"setup": name, "model": m, "arrived": len(trace[m]), "finished": len(finished),
                      "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
                      "tokens": r["tokens"], "tokens_per_s": r["tokens"] / span if span > 0 else None,
-                     "preemptions": r["preemptions"], "blocks_moved": r["blocks_moved"], "peak_mapped": max((b for _, b in r["samples"]), default=0)})
+                     "preemptions": r["preemptions"], "swapped_out": r["swapped_out"], "blocks_moved": r["blocks_moved"], "peak_mapped": max((b for _, b in r["samples"]), default=0)})
     return {"setup": name, "rows": rows, "samples": {m: out[m]["samples"] for m in range(MODELS)},
             "caps": {m: out[m]["caps"] for m in range(MODELS)},
             "requests": {m: out[m]["requests"] for m in range(MODELS)}}
@@ -278,7 +279,7 @@ def print_table(results: list[dict], setup: Setup) -> None:
     print(f"\n3 instances, budget {setup.budget / (1 << 20):.1f} MiB, on/off Poisson {setup.rate:g}/s "
           f"(on {setup.on:.0%} of {setup.period:g} s, staggered), {setup.seconds:g} s of arrivals, "
           f"prompt {setup.prompt} + {setup.new} new")
-    print("| setup | model | TTFT p50 (ms) | TTFT p99 (ms) | tokens/s | preemptions | blocks moved | "
+    print("| setup | model | TTFT p50 (ms) | TTFT p99 (ms) | tokens/s | preemptions (swapped out) | blocks moved | "
           "finished / arrived | peak mapped (MiB) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
@@ -288,7 +289,7 @@ def print_table(results: list[dict], setup: Setup) -> None:
         for r in res["rows"]:
             rate = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
             print(f"| {r['setup']} | {r['model']} | {ms(r['ttft_p50_ms'])} | {ms(r['ttft_p99_ms'])} | {rate} | "
-                  f"{r['preemptions']} | {r['blocks_moved']} | {r['finished']} / {r['arrived']} | {r['peak_mapped'] / (1 << 20):.2f} |")
+                  f"{r['preemptions']} ({r['swapped_out']}) | {r['blocks_moved']} | {r['finished']} / {r['arrived']} | {r['peak_mapped'] / (1 << 20):.2f} |")
 
 
 def plot(results: list[dict], setup: Setup, trace: list[list[float]], path: str) -> None:
