@@ -12,32 +12,30 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serving import BLOCK_SIZE, FAMILIES, LAYOUTS, check_tokens, serving_model, workload
+from test_serving_faults import serve_stepping
 from test_serving import elastic, one_thread  # noqa: F401 (fixtures, used by name)
 
 from kvcached.serving import ServingLoop, StaticKVCache
 
 
 def serve_counting(loop: ServingLoop, requests, during=None) -> tuple[dict[int, list[int]], int]:
-    """Add each request once the loop has run its arrival's steps, step until all finished,
-    checking the loop's invariants after every step; `during(steps)` runs before each. Returns
-    ({index in requests: tokens}, tokens run through the model)."""
-    ids: dict[int, int] = {}
-    results: dict[int, list[int]] = {}
-    run = 0
-    for _ in range(10_000):
-        while len(ids) < len(requests) and requests[len(ids)][0] <= loop.stats.steps:
-            _, prompt, max_new = requests[len(ids)]
-            ids[loop.add_request(prompt, max_new)] = len(ids)
-        if len(ids) == len(requests) and not loop.has_work():
-            return results, run
+    """serve_stepping (invariants checked after every step), also counting the tokens run
+    through the model: ({index in requests: tokens}, tokens run). One commit per step here (no
+    steps ahead on the CPU), so stats.step_tokens is read once after each."""
+    seen = {"steps": 0, "run": 0}
+
+    def count() -> None:
+        if loop.stats.steps > seen["steps"]:
+            seen["steps"], seen["run"] = loop.stats.steps, seen["run"] + loop.stats.step_tokens
+
+    def before(steps: int) -> None:
+        count()
         if during is not None:
-            during(loop.stats.steps)
-        steps = loop.stats.steps
-        for request in loop.step():
-            results[ids[request.id]] = request.generated
-        run += loop.stats.step_tokens if loop.stats.steps > steps else 0
-        loop.check_invariants()
-    raise AssertionError(f"no end after 10000 steps: {loop.stats}")
+            during(steps)
+
+    results, _ = serve_stepping(loop, requests, during=before)
+    count()
+    return results, seen["run"]
 
 
 def once_each(requests) -> int:

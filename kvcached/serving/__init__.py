@@ -12,7 +12,8 @@
   ``run_until_done() -> {id: tokens}`` (``LoopStalledError`` when no request can progress),
   ``take_finished()``, ``has_work()``, ``abort(id)``, ``check_invariants()``, ``capture_graphs()``,
   ``close()`` (gives the pad block back; also ``with``), ``stats`` (LoopStats: running, waiting,
-  finished, preemptions, swapped_out, swapped_in, generated_tokens, tokens_per_s, runner_steps, graph_replays, ...).
+  finished, preemptions, swapped_out, swapped_in, generated_tokens, tokens_per_s, runner_steps,
+  graph_replays, ...).
   Steps are packed into persistent buffers (``StepBuffers``); decode-only steps replay a CUDA
   graph per padded batch size (``DecodeRunner``, ``decode_buckets``; on by default on CUDA).
 - Tensor parallelism: ``shard_model(model, rank, world_size, group=, reduce_dtype=)`` keeps one

@@ -941,16 +941,19 @@ class ServingLoop:
 # When alloc returns None (a lowered limit, a global budget taken by another instance, a full
 # cache) the newest running request is preempted: its blocks are freed, its cached count reset,
 # and it goes back to the front of the waiting queue with the tokens it generated so far. When it
-# is admitted again its prompt and those tokens are recomputed in one prefill, so the tokens that
-# follow are the ones it would have produced without the interruption; no request is dropped. If
+# is admitted again its K/V are copied back from the host (Note [Swapping out]) or, without a host
+# copy, its prompt and those tokens are recomputed in one prefill, so the tokens that follow are
+# the ones it would have produced without the interruption; no request is dropped. If
 # the request that needs a block is itself the newest, it is the one preempted.
 #
 # Note [Swapping out]
-# Recomputing a preempted request costs a prefill of everything it had: on the H200 ~25-40 ms of
-# the device for a 512-token prompt and its tokens so far, against ~3 ms to copy its 70-100 MB of
-# K/V to pinned host memory and back. Under a fair budget that matters: every cap is met by
-# preempting, and the fair setup of bench_share preempted ~95 times in 30 s against ~12 under
-# first come, its recomputation taking device time from all three instances. So _preempt first
+# Recomputing a preempted request costs a prefill of everything it had: a 4,096-token prefill
+# step of Llama-3-8B shapes took ~194 ms on the H200, so a 512-token prompt and its tokens so far
+# take ~25-30 ms of the device, while its 64-96 MB of K/V cross PCIe to pinned host memory and
+# back in a few ms. Under a fair budget every cap is met by preempting: the fair setup of
+# bench_share preempted ~95 times in 30 s against ~12 under first come, its recomputation taking
+# device time from all three instances (with swapping: 57 preemptions, 2279 tokens/s against
+# 2176-2238 before; benchmarks/README.md). So _preempt first
 # queues a copy of the blocks that hold the request's cached tokens to the host (swap_out, on the
 # stream the model runs on), then frees them as before: whatever later writes those blocks, or
 # the fence before their page is unmapped, comes after the copy on the same stream. The request
