@@ -21,7 +21,9 @@ Per setup and model: TTFT p50/p99 (arrival to the first generated token), throug
 tokens over the instance's run, first arrival to its last finish), preemptions (of which swapped out to the
 host rather than recomputed), requests finished
 vs arrived (the run drains the queue: every request finishes). The memory each instance maps over
-time goes to a PNG (--png), one panel per setup.
+time goes to a PNG (--png), one panel per setup. How much the bursts collide varies between runs of
+one trace, so --repeats N runs it N times per setup, the setups taking turns, and pools the TTFTs
+(the table also shows each run's p99).
 """
 
 from __future__ import annotations
@@ -209,7 +211,8 @@ def instance(index: int, setup: Setup, env: dict, limit: int | None, arrivals: l
 
 # -- one setup --------------------------------------------------------------------------------------
 
-def run_setup(name: str, setup: Setup, trace: list[list[float]], timeout: float) -> dict:
+def run_setup(name: str, setup: Setup, trace: list[list[float]], timeout: float) -> dict[int, dict]:
+    """One run of the trace under setup `name`: {model: what its instance reported}."""
     from kvcached.shm.budget import delete_budget, set_budget
 
     ctx = mp.get_context("spawn")
@@ -245,7 +248,7 @@ def run_setup(name: str, setup: Setup, trace: list[list[float]], timeout: float)
             if p.is_alive():
                 p.kill()
         delete_budget(budget_name, force=True)
-    return summarize(name, out, trace)
+    return out
 
 
 def _check(procs, deadline: float, what: str, allow_exit: bool = False) -> None:
@@ -256,21 +259,29 @@ def _check(procs, deadline: float, what: str, allow_exit: bool = False) -> None:
         raise RuntimeError(f"timed out waiting for {what}")
 
 
-def summarize(name: str, out: dict[int, dict], trace: list[list[float]]) -> dict:
+def summarize(name: str, runs: list[dict[int, dict]], trace: list[list[float]]) -> dict:
+    """Per model, over every run of setup `name`: TTFT percentiles of all their requests pooled
+    (and each run's p99), tokens over the runs' summed spans, counts summed. The memory samples
+    and caps are the first run's; each request record names its run."""
+    pooled = {m: [dict(q, run=i) for i, out in enumerate(runs) for q in out[m]["requests"]] for m in range(MODELS)}
     rows = []
     for m in range(MODELS):
-        r = out[m]
-        reqs = r["requests"]
+        reqs = pooled[m]
         ttft = [1000 * (q["first"] - q["arrival"]) for q in reqs if q["first"] is not None]
         finished = [q for q in reqs if q["finish"] is not None]
-        span = (max(q["finish"] for q in finished) - min(trace[m])) if finished else 0.0
-        rows.append({"setup": name, "model": m, "arrived": len(trace[m]), "finished": len(finished),
-                     "ttft_p50_ms": _percentile(ttft, 50), "ttft_p99_ms": _percentile(ttft, 99),
-                     "tokens": r["tokens"], "tokens_per_s": r["tokens"] / span if span > 0 else None,
-                     "preemptions": r["preemptions"], "swapped_out": r["swapped_out"], "blocks_moved": r["blocks_moved"], "peak_mapped": max((b for _, b in r["samples"]), default=0)})
-    return {"setup": name, "rows": rows, "samples": {m: out[m]["samples"] for m in range(MODELS)},
-            "caps": {m: out[m]["caps"] for m in range(MODELS)},
-            "requests": {m: out[m]["requests"] for m in range(MODELS)}}
+        span = sum(max(q["finish"] for q in finished if q["run"] == i) - min(trace[m])
+                   for i in range(len(runs)) if any(q["run"] == i for q in finished))
+        tokens = sum(out[m]["tokens"] for out in runs)
+        per_run = [_percentile([1000 * (q["first"] - q["arrival"]) for q in out[m]["requests"] if q["first"] is not None], 99)
+                   for out in runs]
+        rows.append({"setup": name, "model": m, "runs": len(runs), "arrived": len(trace[m]) * len(runs),
+                     "finished": len(finished), "ttft_p50_ms": _percentile(ttft, 50),
+                     "ttft_p99_ms": _percentile(ttft, 99), "ttft_p99_ms_per_run": per_run,
+                     "tokens": tokens, "tokens_per_s": tokens / span if span > 0 else None,
+                     **{key: sum(out[m][key] for out in runs) for key in ("preemptions", "swapped_out", "blocks_moved")},
+                     "peak_mapped": max((b for out in runs for _, b in out[m]["samples"]), default=0)})
+    return {"setup": name, "rows": rows, "samples": {m: runs[0][m]["samples"] for m in range(MODELS)},
+            "caps": {m: runs[0][m]["caps"] for m in range(MODELS)}, "requests": pooled}
 
 
 # -- report -----------------------------------------------------------------------------------------
@@ -279,7 +290,7 @@ def print_table(results: list[dict], setup: Setup) -> None:
     print(f"\n3 instances, budget {setup.budget / (1 << 20):.1f} MiB, on/off Poisson {setup.rate:g}/s "
           f"(on {setup.on:.0%} of {setup.period:g} s, staggered), {setup.seconds:g} s of arrivals, "
           f"prompt {setup.prompt} + {setup.new} new")
-    print("| setup | model | TTFT p50 (ms) | TTFT p99 (ms) | tokens/s | preemptions (swapped out) | blocks moved | "
+    print("| setup | model | TTFT p50 (ms) | TTFT p99 (ms; each run's) | tokens/s | preemptions (swapped out) | blocks moved | "
           "finished / arrived | peak mapped (MiB) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
@@ -288,7 +299,10 @@ def print_table(results: list[dict], setup: Setup) -> None:
     for res in results:
         for r in res["rows"]:
             rate = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
-            print(f"| {r['setup']} | {r['model']} | {ms(r['ttft_p50_ms'])} | {ms(r['ttft_p99_ms'])} | {rate} | "
+            p99 = ms(r["ttft_p99_ms"])
+            if r["runs"] > 1:
+                p99 += " (" + ", ".join(map(ms, r["ttft_p99_ms_per_run"])) + ")"
+            print(f"| {r['setup']} | {r['model']} | {ms(r['ttft_p50_ms'])} | {p99} | {rate} | "
                   f"{r['preemptions']} ({r['swapped_out']}) | {r['blocks_moved']} | {r['finished']} / {r['arrived']} | {r['peak_mapped'] / (1 << 20):.2f} |")
 
 
@@ -337,6 +351,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, help="new tokens of every request")
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma list of: " + ",".join(SETUPS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of the trace per setup, the setups taking turns; TTFT percentiles pool them")
     parser.add_argument("--timeout", type=float, default=None, help="seconds a setup may take (default 10x --seconds + 300)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument("--png", metavar="PATH", help="plot each instance's mapped memory over time to PATH")
@@ -346,15 +362,19 @@ def main() -> None:
     unknown = set(names) - set(SETUPS)
     if unknown:
         parser.error(f"unknown setups {sorted(unknown)}; pick from {SETUPS}")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give 1 or more runs per setup")
     trace = arrival_trace(setup)
     timeout = args.timeout or 10 * setup.seconds + 300
     print(f"bench_share: {MODELS} x {setup.preset} ({setup.dtype}) on {setup.device}, torch {torch.__version__}; "
           f"arrivals per model {[len(t) for t in trace]}", flush=True)
-    results = []
-    for name in names:
-        began = time.perf_counter()
-        results.append(run_setup(name, setup, trace, timeout))
-        print(f"{name}: {time.perf_counter() - began:.1f} s", flush=True)
+    runs: dict[str, list[dict[int, dict]]] = {name: [] for name in names}
+    for turn in range(args.repeats):            # the setups take turns: a drift of the machine hits each alike
+        for name in names:
+            began = time.perf_counter()
+            runs[name].append(run_setup(name, setup, trace, timeout))
+            print(f"{name} (run {turn + 1} of {args.repeats}): {time.perf_counter() - began:.1f} s", flush=True)
+    results = [summarize(name, runs[name], trace) for name in names]
     print_table(results, setup)
     lost = [(r["setup"], r["model"]) for res in results for r in res["rows"] if r["finished"] != r["arrived"]]
     if args.png:
