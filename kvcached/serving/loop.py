@@ -179,8 +179,9 @@ class ServingLoop:
     replays CUDA graphs (a model on CUDA), off elsewhere; on an H200 it took end-to-end serving
     from 9297 to 9431 new tokens/s (benchmarks/README.md).
 
-    swap_bytes: host memory the loop may keep preempted requests' K/V in (default 4 GiB, pinned
-    on CUDA): a preempted request's cached blocks are copied to the host before they are freed
+    swap_bytes: host memory the loop may keep preempted requests' K/V in (default 4 GiB; on CUDA
+    pinned, which torch's host allocator keeps cached for reuse once it was used): a preempted
+    request's cached blocks are copied to the host before they are freed
     and copied back when it is admitted again, instead of recomputing its prompt and tokens
     (Note [Swapping out]). A preemption beyond it, or whose host memory cannot be had, recomputes
     as with 0. Tokens are the same either way.
