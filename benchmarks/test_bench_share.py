@@ -9,6 +9,24 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parent / "bench_share.py"
+sys.path.insert(0, str(BENCH.parent))
+
+import bench_share  # noqa: E402
+
+
+def test_arrivals_fall_in_each_models_on_phase():
+    """The trace: seeded (the same every call), sorted, and every arrival of model m inside one
+    of its "on" phases, which start m/3 of a period after model 0's."""
+    setup = bench_share.Setup(device="cpu", preset="tiny", dtype="float32", seconds=40.0, period=6.0, on=0.5,
+                              rate=20.0, budget=1 << 20, prompt=4, new=4, max_running=8, max_batch_tokens=64,
+                              page_bytes=None, threads=1, sample_s=0.01, seed=3)
+    trace = bench_share.arrival_trace(setup)
+    assert trace == bench_share.arrival_trace(setup) and len(trace) == bench_share.MODELS
+    for m, times in enumerate(trace):
+        assert times == sorted(times) and len(times) > 100
+        for t in times:
+            within = (t - m * setup.period / bench_share.MODELS) % setup.period
+            assert 0 <= t < setup.seconds and within < setup.on * setup.period, (m, t)
 
 
 @pytest.mark.slow
