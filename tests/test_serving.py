@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from _procs import wait_until
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvcached import core, init_kvcached, shutdown_kvcached
@@ -212,6 +212,8 @@ def test_limit_drop_preempts_and_loses_nothing(elastic, family, layout):
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 1 << 16), layout=st.sampled_from(LAYOUTS), family=st.sampled_from(FAMILIES),
        drop_at=st.integers(1, 12), limit_pages=st.integers(3, 6), restore_after=st.integers(1, 40))
+# request 5 meets a tie of generate's two best logits (2.9e-6 apart) and takes the other: see TIE
+@example(seed=117, layout="per_layer", family="llama", drop_at=1, limit_pages=3, restore_after=1)
 def test_random_limit_drops_lose_nothing(elastic, seed, layout, family, drop_at, limit_pages, restore_after):
     """A limit of 3-6 pages at a random step, lifted again later, over random arrivals: every
     request finishes with generate's tokens, and the mapped memory obeys the limit once met."""
