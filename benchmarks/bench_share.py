@@ -267,13 +267,14 @@ def summarize(name: str, runs: list[dict[int, dict]], trace: list[list[float]]) 
     rows = []
     for m in range(MODELS):
         reqs = pooled[m]
-        ttft = [1000 * (q["first"] - q["arrival"]) for q in reqs if q["first"] is not None]
+        ttft_of = {i: [1000 * (q["first"] - q["arrival"]) for q in reqs if q["run"] == i and q["first"] is not None]
+                   for i in range(len(runs))}
+        ttft = [t for times in ttft_of.values() for t in times]
         finished = [q for q in reqs if q["finish"] is not None]
         span = sum(max(q["finish"] for q in finished if q["run"] == i) - min(trace[m])
                    for i in range(len(runs)) if any(q["run"] == i for q in finished))
         tokens = sum(out[m]["tokens"] for out in runs)
-        per_run = [_percentile([1000 * (q["first"] - q["arrival"]) for q in out[m]["requests"] if q["first"] is not None], 99)
-                   for out in runs]
+        per_run = [_percentile(times, 99) for times in ttft_of.values()]
         rows.append({"setup": name, "model": m, "runs": len(runs), "arrived": len(trace[m]) * len(runs),
                      "finished": len(finished), "ttft_p50_ms": _percentile(ttft, 50),
                      "ttft_p99_ms": _percentile(ttft, 99), "ttft_p99_ms_per_run": per_run,

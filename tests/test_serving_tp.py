@@ -25,6 +25,8 @@ import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_serving import FitLimit, serve, serving_model, workload
+from test_serving_faults import serve_stepping
+from test_serving_swap import FailingSwaps
 
 from kvcached import init_kvcached, shutdown_kvcached
 from kvcached.config import reload_settings
@@ -88,6 +90,8 @@ class Scenario:
     max_batch_tokens: int = MAX_BATCH_TOKENS
     fail_at_step: int | None = None     # rank 0 raises inside the loop's with block at this step
     budget: str | None = None           # a global budget (elastic): rank 0 applies FitLimit, blocks move
+    swap_bytes: int = 1 << 30           # the leader's swap_bytes (0: preempted requests are recomputed)
+    worker_fails: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())    # rank 1's swap_out / swap_in calls that raise
 
 
 class LeaderFailure(Exception):
@@ -114,12 +118,16 @@ def _rank(rank: int, world_size: int, store: str, out: str, scenario: Scenario) 
                           page_size_bytes=PAGE_BYTES if device.type == "cpu" else None)
             num_blocks = ELASTIC_BLOCKS if scenario.limit_pages_at or scenario.budget else scenario.num_blocks
             cache = ElasticKVCache(config, num_blocks, block_size=scenario.block_size, device=device)
+        elif rank == 1 and any(scenario.worker_fails):
+            cache = FailingSwaps(config, scenario.num_blocks, block_size=scenario.block_size, device=device,
+                                 fail_out=scenario.worker_fails[0], fail_in=scenario.worker_fails[1])
         else:
             cache = StaticKVCache(config, scenario.num_blocks, block_size=scenario.block_size, device=device)
         if rank == 0:
             report = _lead(model, cache, scenario)
         else:
-            report = {"steps": TensorParallelWorker(model, cache).run()}
+            worker = TensorParallelWorker(model, cache)
+            report = {"steps": worker.run(), "swapped_left": len(worker.swapped)}
         cache.close()
         Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
@@ -142,12 +150,17 @@ def _lead(model, cache, scenario: Scenario) -> dict:
             squeeze(step)
 
     try:
-        with TensorParallelLoop(model, cache, max_batch_tokens=scenario.max_batch_tokens) as loop:
+        with TensorParallelLoop(model, cache, max_batch_tokens=scenario.max_batch_tokens,
+                                swap_bytes=scenario.swap_bytes) as loop:
             squeeze = FitLimit(loop, cache) if scenario.budget else None
-            results = serve(loop, scenario.requests, during=during)
+            if any(scenario.worker_fails):      # a failed swap-in raises from its step: step again
+                results, failed_steps = serve_stepping(loop, scenario.requests, catch=(RuntimeError,), during=during)
+            else:
+                results, failed_steps = serve(loop, scenario.requests, during=during), 0
     except LeaderFailure as exc:
         return {"raised": str(exc), "steps": loop.steps_sent}
-    report = {"results": results, "preemptions": loop.stats.preemptions, "steps": loop.steps_sent,
+    report = {"results": results, "preemptions": loop.stats.preemptions, "swapped_out": loop.stats.swapped_out,
+              "swapped_in": loop.stats.swapped_in, "failed_steps": failed_steps, "steps": loop.steps_sent,
               "free_blocks": cache.available_blocks()}
     if scenario.elastic:
         report.update(allocated=cache.manager.stats()["allocated"], mapped=cache.mapped_bytes(),
@@ -178,9 +191,11 @@ def check_against_tp1(family: str, requests, reports: list[dict]) -> None:
     expected, tp1_preemptions = tp1_tokens(family, requests)
     leader = reports[0]
     assert tp1_preemptions > 0 and leader["preemptions"] > 0, "the cache must be small enough to preempt"
+    assert leader["swapped_out"] == leader["swapped_in"] == leader["preemptions"], "every preemption swaps"
     assert leader["results"] == expected
     assert leader["free_blocks"] == NUM_BLOCKS
     assert all(report["steps"] == leader["steps"] for report in reports[1:]), "a worker missed a step"
+    assert all(report["swapped_left"] == 0 for report in reports[1:]), "a worker kept a host copy"
 
 
 # -- TP = 2 and 4 against TP = 1 ----------------------------------------------------------------
@@ -246,6 +261,30 @@ def test_tp2_moves_blocks_on_every_rank(tmp_path, budget_name):
     assert seen["after"] <= seen["limit"] < seen["mapped"], seen
     assert leader["results"] == tp1_tokens("llama", requests, num_blocks=ELASTIC_BLOCKS)[0]
     assert reports[1]["steps"] == leader["steps"]
+
+
+@pytest.mark.slow
+def test_tp2_recomputes_what_a_worker_could_not_swap(tmp_path):
+    """Rank 1's host copies fail at some swap-outs and one swap-in: those preemptions are
+    recomputed (the leader drops its own copy), the failed swap-in raises from its step and the
+    next step recomputes the request; the tokens are still TP = 1's, every worker ran every step."""
+    requests = tp_workload(seed=43)
+    reports = run_tp(tmp_path, 2, Scenario("llama", requests, worker_fails=((0, 2), (1,))))
+    leader = reports[0]
+    assert leader["results"] == tp1_tokens("llama", requests)[0]
+    assert leader["failed_steps"] == 1
+    assert 0 < leader["swapped_in"] < leader["swapped_out"] < leader["preemptions"]
+    assert leader["free_blocks"] == NUM_BLOCKS and reports[1]["steps"] == leader["steps"]
+    assert reports[1]["swapped_left"] == 0
+
+
+@pytest.mark.slow
+def test_tp2_without_swapping_recomputes(tmp_path):
+    """swap_bytes=0 at TP = 2: every preemption is recomputed, the tokens are TP = 1's."""
+    requests = tp_workload(seed=42)
+    leader = run_tp(tmp_path, 2, Scenario("llama", requests, swap_bytes=0))[0]
+    assert leader["preemptions"] > 0 and leader["swapped_out"] == 0
+    assert leader["results"] == tp1_tokens("llama", requests)[0]
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@
   graph per padded batch size (``DecodeRunner``, ``decode_buckets``; on by default on CUDA).
 - Tensor parallelism: ``shard_model(model, rank, world_size, group=, reduce_dtype=)`` keeps one
   rank's heads and MLP columns; ``shard_config(model.config, model.kvcached_shard)`` is what that rank's KV cache
-  is built from; ``TensorParallelLoop(model, cache, group=)`` (a ServingLoop) runs on rank 0 and
+  is built from; ``TensorParallelLoop(model, cache, group=, swap_bytes=)`` (a ServingLoop) runs on rank 0 and
   ``TensorParallelWorker(model, cache, group=).run()`` on the others. ``StepPlan`` is one step's
   inputs as one tensor (what rank 0 broadcasts); ``plan.forward(model, cache)`` runs the model
   over it inside ``running_step(StepMetadata(...))``, which is where the attention finds the step.

@@ -963,8 +963,8 @@ class ServingLoop:
 # again on the stream, so the step that reads them comes after), and it goes on from its cached
 # count, usually as one more decode row. The host bytes are bounded by swap_bytes; a preemption
 # beyond them, one with nothing cached, or one whose host memory cannot be had is recomputed.
-# An abort drops the copy. The tensor-parallel loop does not swap: each rank holds its own
-# shard of the K/V, and would have to copy it to its own host.
+# An abort drops the copy. At tensor parallelism every rank copies its own shard (Note
+# [Swapping out at TP] in kvcached.serving.tp).
 #
 # Note [Fair share in the loop]
 # Under a global budget of the fair policy (kvcached.shm.fairness) each step tells the cache what

@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .loop import ServingLoop
+from .loop import SWAP_BYTES, Request, ServingLoop, SwappedKV
 from .plan import NUM_SIZES, StepPlan
 from .shard import Shard
 
-STOP, STEP, MOVE = 0, 1, 2      # the command word of a header: return, run a step, move blocks
+# the command word of a header: return, run a step, move blocks, and a request's K/V to the
+# host, back, or dropped there (Note [Swapping out at TP])
+STOP, STEP, MOVE, SWAP_OUT, SWAP_IN, DROP = range(6)
 HEADER_LEN = 1 + NUM_SIZES
 
 
@@ -44,21 +46,22 @@ class TensorParallelLoop(ServingLoop):
     requests stay on the loop as they were, and close() sends nothing. See Note [Leader and workers].
 
     Its steps run eagerly (no CUDA graphs, See Note [Decode graphs] in kvcached.serving.graphs),
-    packed into the same persistent buffers as ServingLoop's. A preempted request is recomputed,
-    never swapped out (swap_bytes=0): each rank would have to copy its own shard to its host.
+    packed into the same persistent buffers as ServingLoop's. A preempted request's K/V go to the
+    host on every rank, each rank its own shard, up to swap_bytes on each (Note [Swapping out at
+    TP]).
 
     Raises ValueError when the model is not split for this rank (rank 0 of the group), or the
     cache holds another number of KV heads than the shard.
     """
 
     def __init__(self, model, cache, *, group=None, max_batch_tokens: int = 2048, max_running: int = 256,
-                 max_tokens: int | None = None):
+                 max_tokens: int | None = None, swap_bytes: int = SWAP_BYTES):
         shard = _shard_of(model, cache, group, "TensorParallelLoop")
         if shard.rank != 0:
             raise ValueError(f"TensorParallelLoop runs on rank 0 of the group, this is rank {shard.rank}; "
                              f"run TensorParallelWorker(model, cache).run() there")
         super().__init__(model, cache, max_batch_tokens=max_batch_tokens, max_running=max_running,
-                         max_tokens=max_tokens, cuda_graphs=False, swap_bytes=0)
+                         max_tokens=max_tokens, cuda_graphs=False, swap_bytes=swap_bytes)
         self.group = group
         self.closed = False
         self.failed: str | None = None  # the exception of a step that failed once sent
@@ -98,6 +101,48 @@ class TensorParallelLoop(ServingLoop):
             self.failed = repr(exc)
             raise
 
+    def _swap_out(self, request: Request) -> SwappedKV | None:
+        """The leader's copy, then the workers' (Note [Swapping out at TP]); None (recompute) if
+        any rank could not keep one."""
+        swapped = super()._swap_out(request)
+        if swapped is None or self._swap_on_workers(SWAP_OUT, request.id, request.blocks[:swapped.host.shape[2]]):
+            return swapped
+        self._swap_on_workers(DROP, request.id, [])
+        return None
+
+    def _swap_in(self, request: Request) -> None:
+        """The workers' copies back, then the leader's; if a worker's failed, the blocks go back,
+        every copy is dropped, and this raises (the request is recomputed)."""
+        assert request.swapped is not None
+        if not self._swap_on_workers(SWAP_IN, request.id, request.blocks[:request.swapped.host.shape[2]]):
+            self._release(request)
+            self._drop_swap(request)
+            raise RuntimeError(f"a worker could not copy request {request.id}'s K/V back from its host; "
+                               f"the request waits, to be recomputed")
+        super()._swap_in(request)
+
+    def abort(self, request_id: int) -> bool:
+        """As ServingLoop.abort; a swapped-out request's copies go on the workers too."""
+        if any(r.id == request_id and r.swapped is not None for r in self.waiting):
+            self._swap_on_workers(DROP, request_id, [])
+        return super().abort(request_id)
+
+    def _swap_on_workers(self, command: int, request_id: int, ids: list[int]) -> bool:
+        """Have every worker do a swap command for one request over block `ids`; True if each
+        did (they report through an all-reduce, which the leader waits for)."""
+        self._check_usable()
+        try:
+            self._send(command, (request_id, len(ids)) + (0,) * (NUM_SIZES - 2))
+            if ids:
+                dist.broadcast(torch.tensor(ids, dtype=torch.int64, device=self.device), group=self.group,
+                               group_src=0)
+            failed = torch.zeros(1, dtype=torch.int64, device=self.device)
+            dist.all_reduce(failed, group=self.group)
+            return failed.item() == 0
+        except BaseException as exc:
+            self.failed = repr(exc)
+            raise
+
     def _send(self, command: int, sizes: tuple[int, ...]) -> None:
         header = torch.tensor([command, *sizes], dtype=torch.int64, device=self.device)
         dist.broadcast(header, group=self.group, group_src=0)
@@ -126,6 +171,7 @@ class TensorParallelWorker:
         self.device = next(model.parameters()).device
         self.steps = 0
         self._data = torch.empty(0, dtype=torch.int64, device=self.device)    # grows to the largest step
+        self.swapped: dict[int, torch.Tensor] = {}    # request id -> this rank's host copy of its K/V
 
     def _receive(self, sizes: tuple[int, int, int, int, int]) -> StepPlan:
         """The leader's plan, broadcast into a prefix of one buffer kept across steps."""
@@ -147,8 +193,11 @@ class TensorParallelWorker:
             if command == MOVE:
                 self._move(sizes[0])
                 continue
+            if command in (SWAP_OUT, SWAP_IN, DROP):
+                self._swap(command, sizes[0], sizes[1])
+                continue
             if command != STEP:
-                raise RuntimeError(f"unknown command {command} from the leader (expected {STEP}, {MOVE} or {STOP})")
+                raise RuntimeError(f"unknown command {command} from the leader (expected one of {STOP}-{DROP})")
             self._receive(tuple(sizes)).forward(self.model, self.cache, logits=False)
             self.steps += 1
 
@@ -160,6 +209,29 @@ class TensorParallelWorker:
         ids = pairs.tolist()
         self.cache.copy_blocks(ids[:count], ids[count:])
         dist.all_reduce(torch.zeros(1, dtype=torch.int64, device=self.device), group=self.group)
+
+    def _swap(self, command: int, request_id: int, count: int) -> None:
+        """The leader's swap command for one request: copy its blocks to this rank's host, back,
+        or drop the copy; then report through an all-reduce whether that failed (Note [Swapping
+        out at TP]). A host copy that cannot be had or written fails; the leader recomputes."""
+        ids = torch.empty(count, dtype=torch.int64, device=self.device)
+        if count:
+            dist.broadcast(ids, group=self.group, group_src=0)
+        failed = 0
+        try:
+            if command == SWAP_OUT:
+                self.swapped[request_id] = self.cache.swap_out(ids.tolist())
+            elif command == SWAP_IN:
+                host = self.swapped.pop(request_id, None)
+                if host is None:
+                    failed = 1
+                else:
+                    self.cache.swap_in(host, ids.tolist())
+            else:
+                self.swapped.pop(request_id, None)
+        except RuntimeError:
+            failed = 1
+        dist.all_reduce(torch.tensor([failed], dtype=torch.int64, device=self.device), group=self.group)
 
 
 # Note [Leader and workers]
@@ -187,6 +259,21 @@ class TensorParallelWorker:
 # refuses every step after one that failed once sent, and close() sends no STOP either. A clean
 # end is close() (or leaving the loop's ``with`` block, which closes on an exception too, before
 # the step's broadcast if the failure came first).
+#
+# Note [Swapping out at TP]
+# Every rank holds its own heads of a request's K/V, so a preemption that keeps them (Note
+# [Swapping out] in kvcached.serving.loop) copies them on every rank: the leader copies its own
+# shard, sends SWAP_OUT (the request id and block count in the sizes, then the ids), and each
+# worker queues the copy to its host and keeps it under the request id. All ranks then join an
+# all-reduce of a failure flag that the leader waits for on the host, so every copy is queued
+# before the leader frees the blocks and a worker's page can go (the all-reduce runs on the
+# worker's stream after its copy, as for block moves). If any rank failed, the leader sends DROP
+# and recomputes the request. Readmitted, the leader sends SWAP_IN over the new block ids (mapped
+# on every rank before alloc returned): each worker writes its copy back and forgets it, and the
+# flag says whether every one could; then the leader writes its own. A worker without a copy or
+# whose write failed makes the leader release the blocks and raise from the step, and the
+# request is recomputed. An abort sends DROP. swap_bytes bounds the leader's host bytes; a
+# worker's shard of the same request takes as many (every rank holds as many KV heads).
 #
 # Note [Moving blocks at TP]
 # Under a fair budget the leader may move blocks instead of preempting (Note [Fair share in the
