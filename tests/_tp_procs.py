@@ -294,6 +294,11 @@ def killed_at(cfg: dict, workdir: str) -> dict:
         elif step == "unmap":
             m.free(held)
             m.trim()
+            # the unmap is the free's, trim's or the background thread's, whichever held map_lock
+            # first (Note [Deferred unmap]); the thread's error lands in last_error when it ends
+            deadline = time.monotonic() + WAIT_S
+            while m._pages.last_error is None and time.monotonic() < deadline:
+                time.sleep(0.001)
             error = m._pages.last_error
         elif step == "query":
             mapped_everywhere()
