@@ -4,7 +4,7 @@ Each rank is a real process (torch.multiprocessing spawn) in a gloo group on CPU
 builds the same tiny float32 model with seeded random weights and keeps its heads and MLP
 columns; rank 0 schedules. The reference is the same workload through ServingLoop at TP = 1
 (itself checked against transformers' generate in test_serving): the greedy tokens must be the
-same, with a cache small enough that requests are preempted and recomputed.
+same, with a cache small enough that requests are preempted (swapped out on every rank).
 """
 
 from __future__ import annotations
@@ -237,13 +237,14 @@ def test_tp4_matches_tp1_with_replicated_kv_heads(tmp_path):
 @pytest.mark.slow
 def test_tp2_over_elastic_kvcached_matches_tp1(tmp_path):
     """kvcached's TP mode: rank 0's manager maps every block on both ranks; at step 6 the limit
-    drops to one page id (16 blocks on each rank), requests are preempted and recomputed, and the tokens are
+    drops to one page id (16 blocks on each rank), requests are preempted and swapped out, and the tokens are
     still TP = 1's. A block the worker's rank did not map would fault on the worker."""
     requests = [(0, prompt, 24) for _, prompt, _ in tp_workload(seed=46)]
     reports = run_tp(tmp_path, 2, Scenario("llama", requests, elastic=True, limit_pages_at=(6, 1)))
     leader = reports[0]
     assert leader["results"] == tp1_tokens("llama", requests)[0]
     assert leader["preemptions"] > 0 and leader["allocated"] == 0
+    assert leader["swapped_out"] == leader["swapped_in"] == leader["preemptions"]
     assert leader["mapped"] <= leader["limit"]
     assert reports[1]["steps"] == leader["steps"]
 
