@@ -120,7 +120,7 @@ def test_aborting_a_swapped_out_request_drops_its_copy():
         loop.step()
         assert loop.has_work()
     victim = next(r for r in loop.waiting if r.swapped is not None)
-    assert loop.swapped_bytes == victim.swapped.nbytes > 0
+    assert loop.swapped_bytes == victim.swapped.host.nbytes > 0
     assert loop.abort(victim.id)
     assert loop.swapped_bytes == 0
     loop.check_invariants()

@@ -42,7 +42,6 @@ class SwappedKV:
 
     host: torch.Tensor
     cached: int
-    nbytes: int
 
 
 @dataclass
@@ -314,7 +313,7 @@ class ServingLoop:
                     problems.append(f"waiting request {request.id} has {request.num_cached} tokens cached in "
                                     f"{len(request.blocks)} blocks")
                 if request.swapped is not None:
-                    swapped += request.swapped.nbytes
+                    swapped += request.swapped.host.nbytes
                     if name != "waiting" or not 0 < request.swapped.cached < len(request.tokens):
                         problems.append(f"request {request.id} ({name}) keeps {request.swapped.cached} tokens "
                                         f"swapped out of {len(request.tokens)}")
@@ -695,7 +694,7 @@ class ServingLoop:
         request.preemptions += 1
         if swapped is not None:
             request.swapped = swapped
-            self.swapped_bytes += swapped.nbytes
+            self.swapped_bytes += swapped.host.nbytes
             self.stats.swapped_out += 1
         self.waiting.appendleft(request)
         self.stats.preemptions += 1
@@ -705,14 +704,13 @@ class ServingLoop:
         nothing cached, the copy would pass swap_bytes, or the host memory for it cannot be had."""
         cache = self.cache
         blocks = -(-request.num_cached // cache.block_size)
-        nbytes = cache.swap_bytes(blocks)
-        if not request.num_cached or self.swapped_bytes + nbytes > self.swap_bytes:
+        if not request.num_cached or self.swapped_bytes + cache.swap_bytes(blocks) > self.swap_bytes:
             return None
         try:
             host = cache.swap_out(request.blocks[:blocks])
         except RuntimeError:                    # host memory short (pinned or not): recomputing still works
             return None
-        return SwappedKV(host, request.num_cached, nbytes)
+        return SwappedKV(host, request.num_cached)
 
     def _swap_in(self, request: Request) -> None:
         """Copy a readmitted request's swapped-out K/V into the blocks it was just given. If the
@@ -720,7 +718,7 @@ class ServingLoop:
         swapped = request.swapped
         assert swapped is not None
         try:
-            self.cache.swap_in(swapped.host, request.blocks[:swapped.host.shape[2]])
+            self._copy_swapped_in(request.id, swapped.host, request.blocks[:swapped.host.shape[2]])
         except BaseException:
             self._release(request)
             self._drop_swap(request)
@@ -729,9 +727,14 @@ class ServingLoop:
         request.num_cached = swapped.cached
         self.stats.swapped_in += 1
 
+    def _copy_swapped_in(self, request_id: int, host: torch.Tensor, ids: list[int]) -> None:
+        """Queue the write of a request's host copy into blocks `ids` (the tensor-parallel loop
+        has every rank write its own)."""
+        self.cache.swap_in(host, ids)
+
     def _drop_swap(self, request: Request) -> None:
         if request.swapped is not None:
-            self.swapped_bytes -= request.swapped.nbytes
+            self.swapped_bytes -= request.swapped.host.nbytes
             request.swapped = None
 
     def _release(self, request: Request) -> None:

@@ -110,16 +110,13 @@ class TensorParallelLoop(ServingLoop):
         self._swap_on_workers(DROP, request.id, [])
         return None
 
-    def _swap_in(self, request: Request) -> None:
-        """The workers' copies back, then the leader's; if a worker's failed, the blocks go back,
-        every copy is dropped, and this raises (the request is recomputed)."""
-        assert request.swapped is not None
-        if not self._swap_on_workers(SWAP_IN, request.id, request.blocks[:request.swapped.host.shape[2]]):
-            self._release(request)
-            self._drop_swap(request)
-            raise RuntimeError(f"a worker could not copy request {request.id}'s K/V back from its host; "
+    def _copy_swapped_in(self, request_id: int, host: torch.Tensor, ids: list[int]) -> None:
+        """The workers' copies back, then the leader's; RuntimeError if a worker's failed (the
+        loop then gives the blocks back and the request is recomputed)."""
+        if not self._swap_on_workers(SWAP_IN, request_id, ids):
+            raise RuntimeError(f"a worker could not copy request {request_id}'s K/V back from its host; "
                                f"the request waits, to be recomputed")
-        super()._swap_in(request)
+        super()._copy_swapped_in(request_id, host, ids)
 
     def abort(self, request_id: int) -> bool:
         """As ServingLoop.abort; a swapped-out request's copies go on the workers too."""
