@@ -32,6 +32,7 @@ from kvcached import KVCacheManager, alloc_kv_cache, init_kvcached, shutdown_kvc
 from kvcached import runtime as kv_runtime
 from kvcached.config import reload_settings
 from kvcached.errors import KVCachedConfigError, KVCachedTPError
+from _procs import wait_until
 
 LAYERS, BLOCK, HEADS, DIM = 2, 4, 2, 8
 BLOCK_BYTES = BLOCK * HEADS * DIM * 4
@@ -296,9 +297,7 @@ def killed_at(cfg: dict, workdir: str) -> dict:
             m.trim()
             # the unmap is the free's, trim's or the background thread's, whichever held map_lock
             # first (Note [Deferred unmap]); the thread's error lands in last_error when it ends
-            deadline = time.monotonic() + WAIT_S
-            while m._pages.last_error is None and time.monotonic() < deadline:
-                time.sleep(0.001)
+            wait_until(lambda: m._pages.last_error is not None, WAIT_S, "the unmap's error in last_error")
             error = m._pages.last_error
         elif step == "query":
             mapped_everywhere()
