@@ -266,18 +266,15 @@ def summarize(name: str, runs: list[dict[int, dict]], trace: list[list[float]]) 
     pooled = {m: [dict(q, run=i) for i, out in enumerate(runs) for q in out[m]["requests"]] for m in range(MODELS)}
     rows = []
     for m in range(MODELS):
-        reqs = pooled[m]
-        ttft_of = {i: [1000 * (q["first"] - q["arrival"]) for q in reqs if q["run"] == i and q["first"] is not None]
-                   for i in range(len(runs))}
-        ttft = [t for times in ttft_of.values() for t in times]
-        finished = [q for q in reqs if q["finish"] is not None]
-        span = sum(max(q["finish"] for q in finished if q["run"] == i) - min(trace[m])
-                   for i in range(len(runs)) if any(q["run"] == i for q in finished))
+        ttft_of = [[1000 * (q["first"] - q["arrival"]) for q in out[m]["requests"] if q["first"] is not None]
+                   for out in runs]
+        finishes_of = [[q["finish"] for q in out[m]["requests"] if q["finish"] is not None] for out in runs]
+        ttft = [t for times in ttft_of for t in times]
+        span = sum(max(finishes) - min(trace[m]) for finishes in finishes_of if finishes)
         tokens = sum(out[m]["tokens"] for out in runs)
-        per_run = [_percentile(times, 99) for times in ttft_of.values()]
         rows.append({"setup": name, "model": m, "runs": len(runs), "arrived": len(trace[m]) * len(runs),
-                     "finished": len(finished), "ttft_p50_ms": _percentile(ttft, 50),
-                     "ttft_p99_ms": _percentile(ttft, 99), "ttft_p99_ms_per_run": per_run,
+                     "finished": sum(map(len, finishes_of)), "ttft_p50_ms": _percentile(ttft, 50),
+                     "ttft_p99_ms": _percentile(ttft, 99), "ttft_p99_ms_per_run": [_percentile(t, 99) for t in ttft_of],
                      "tokens": tokens, "tokens_per_s": tokens / span if span > 0 else None,
                      **{key: sum(out[m][key] for out in runs) for key in ("preemptions", "swapped_out", "blocks_moved")},
                      "peak_mapped": max((b for out in runs for _, b in out[m]["samples"]), default=0)})
