@@ -73,6 +73,37 @@ def test_a_tight_cache_swaps_every_preemption_and_recomputes_nothing(seed, famil
     assert (run > once_each(requests)) == (recomputing.stats.preemptions > 0)
 
 
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 1 << 16), num_blocks=st.integers(10, 24), max_batch_tokens=st.sampled_from([8, 32, 256]),
+       swap=st.booleans())
+def test_requests_wait_in_the_order_they_began_to_wait(seed, num_blocks, max_batch_tokens, swap):
+    """Before every step of a tight cache's run the queue is ordered by when each request began
+    to wait: at its arrival, or, for one preempted after its first token, during the step that
+    preempted it (after the requests that were waiting then, before the next arrivals). A
+    preempted request still in its prompt keeps its arrival. Tokens are generate's, swapped or
+    recomputed."""
+    requests = workload(seed, count=8, longest=30, max_new=12)
+    model = serving_model("llama")
+    loop = ServingLoop(model, StaticKVCache(model.config, num_blocks, block_size=BLOCK_SIZE),
+                       max_batch_tokens=max_batch_tokens, cuda_graphs=False, swap_bytes=(1 << 30) * swap)
+    arrived: dict[int, float] = {}
+    began: dict[int, float] = {}
+    preemptions: dict[int, int] = {}
+
+    def check(steps: int) -> None:
+        for request in [*loop.waiting, *loop.running]:
+            arrived.setdefault(request.id, steps)
+            if request.preemptions != preemptions.get(request.id, 0):
+                preemptions[request.id] = request.preemptions
+                began[request.id] = steps - 0.5 if request.generated else arrived[request.id]
+        order = [began.get(r.id, arrived[r.id]) for r in loop.waiting]
+        assert order == sorted(order), [(r.id, len(r.generated), t) for r, t in zip(loop.waiting, order)]
+
+    results, _ = serve_stepping(loop, requests, during=check)
+    check_tokens("llama", requests, results)
+    assert loop.stats.preemptions == sum(preemptions.values())
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 def test_a_lowered_limit_swaps_out_of_kvcached_memory(elastic, layout, kv_layout):

@@ -416,6 +416,16 @@ class BudgetSnapshot:
         return dict(zip((h.slot for h in live), caps(max(0, self.budget_bytes), claims,
                                                      [h.share_bytes for h in live])))
 
+    def short_bytes(self, slot: int) -> int:
+        """Bytes the live holders other than ``slot`` wait for beyond what the budget has free:
+        what a fair holder's idle pages (its reserved pool) should give back. 0 under first_come,
+        where nobody gives anything back. O(holders). See Note [Pools under a fair budget] in
+        kvcached.kv_cache_manager."""
+        if self.policy != "fair":
+            return 0
+        waiting = sum(h.demand_bytes for h in self.holders if h.alive and h.slot != slot)
+        return max(0, waiting - max(0, self.budget_bytes - self.held_bytes))
+
     def to_dict(self) -> dict:
         return {
             "name": self.name, "path": self.path, "budget_bytes": self.budget_bytes,
@@ -428,6 +438,15 @@ class BudgetSnapshot:
                          "share_bytes": h.share_bytes, "cap_bytes": h.cap_bytes}
                         for h in self.holders],
         }
+
+
+@dataclass(frozen=True, slots=True)
+class ShareView:
+    """What one read of a budget tells a holder (bytes): its cap (I64_MAX: uncapped) and the
+    demand of the other holders that the budget's free bytes do not cover."""
+
+    cap_bytes: int
+    short_bytes: int
 
 
 def _create(name: str, budget_bytes: int, stale_after_ns: int, policy: int) -> None:
@@ -985,6 +1004,15 @@ class Budget:
         Raises:
             KVCachedError: the handle is closed or lost its slot, or the file is no budget.
         """
+        return self.share_view().cap_bytes
+
+    def share_view(self) -> ShareView:
+        """This holder's cap (as cap_bytes, which it stores likewise) and the others' demand the
+        free bytes do not cover (BudgetSnapshot.short_bytes), from one copy of the segment.
+
+        Raises:
+            KVCachedError: the handle is closed or lost its slot, or the file is no budget.
+        """
         with self._share_lock:
             self._check_open()
             snap = self._share_seg.snapshot()
@@ -994,7 +1022,7 @@ class Budget:
             if mine is not None and mine.cap_bytes != cap:
                 self._store_own(_SLOT_CAP, cap)
             self._cap = cap
-            return cap
+            return ShareView(cap, snap.short_bytes(self._slot))
 
     @staticmethod
     def _check_amount(nbytes: object) -> int:
