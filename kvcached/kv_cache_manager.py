@@ -648,8 +648,9 @@ class KVCacheManager:
         with self._limit_lock:
             if self._closed_reason is not None:
                 return
-            give_back = view.short_bytes > 0
-            if give_back != self._pool_given_back:      # See Note [Pools under a fair budget]
+            waiting = view.others_waiting_bytes        # See Note [Pools under a fair budget]
+            give_back = waiting > 0 if self._pool_given_back else waiting > view.free_bytes
+            if give_back != self._pool_given_back:
                 self._pool_given_back = give_back
                 self._pages.set_pool_bounds(*((0, 0) if give_back else self._pool_bounds))
             if view.cap_bytes != self._cap_bytes:
@@ -866,11 +867,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # it only when the cap falls below it, which it never does for a holder within its share: an idle
 # instance kept its whole pool (until the idle trim, 30 s) while another, at its own share,
 # waited for memory with the budget full, and nobody was capped. So under a fair budget each
-# share round also asks whether the other holders wait for more than the budget has free
-# (BudgetSnapshot.short_bytes); while they do, this manager keeps no pool (bounds 0 and 0: the
+# share round also reads what the other holders wait for (their demand) and what the budget has
+# free; once they wait for more than is free, this manager keeps no pool (bounds 0 and 0: the
 # pool is unmapped at once, behind its fence, and freed pages are unmapped instead of pooled),
-# and when they stop it takes its configured bounds back and the pool refills. Under first_come
-# nothing changes: nobody gives anything back.
+# and it takes its configured bounds back (the pool refills) only once nobody else waits at all.
+# Taking them back as soon as the free bytes covered the demand let the refill race the waiting
+# holder for those very bytes (in a run of the demo on the H200, an instance held a 384 MiB pool
+# while the newly loaded one waited for memory). Under first_come nothing changes: nobody gives
+# anything back.
 #
 # Note [Moving blocks instead of preempting]
 # A page goes back only when every block on it is free, and an engine's requests take their next

@@ -165,7 +165,7 @@ class _Recorder:
         """What every instance holds and does now (``t_s``: the phase clock, for the record);
         appended to ``samples`` if ``keep``."""
         budget = read_budget(self.budget_name)
-        shares = {holder.pid: holder.share_bytes for holder in budget.holders}
+        holders = {holder.pid: holder for holder in budget.holders}
         rates = self._rates.add(time.monotonic(),
                                 [instance.counters["generated_tokens"] for instance in self.instances])
         rows = []
@@ -175,8 +175,11 @@ class _Recorder:
                 used, reserved = snap.used_bytes, snap.reserved_bytes
             except KVCachedError:
                 used = reserved = 0               # the segment is gone: the instance is shutting down
+            holder = holders.get(instance.info.get("pid"))
             rows.append({"mapped_bytes": used + reserved, "used_bytes": used, "reserved_bytes": reserved,
-                         "share_bytes": shares.get(instance.info.get("pid"), 0),
+                         "share_bytes": holder.share_bytes if holder else 0,
+                         "cap_bytes": holder.cap_bytes if holder else None,
+                         "demand_bytes": holder.demand_bytes if holder else 0,
                          "clients": instance.clients, **instance.counters, "tokens_per_s": round(rate, 1)})
         record = {"t_s": round(t_s, 3), "held_bytes": budget.held_bytes, "policy": budget.policy, "instances": rows}
         if keep:

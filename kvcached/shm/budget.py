@@ -416,15 +416,14 @@ class BudgetSnapshot:
         return dict(zip((h.slot for h in live), caps(max(0, self.budget_bytes), claims,
                                                      [h.share_bytes for h in live])))
 
-    def short_bytes(self, slot: int) -> int:
-        """Bytes the live holders other than ``slot`` wait for beyond what the budget has free:
-        what a fair holder's idle pages (its reserved pool) should give back. 0 under first_come,
-        where nobody gives anything back. O(holders). See Note [Pools under a fair budget] in
+    def others_waiting_bytes(self, slot: int) -> int:
+        """Bytes the live holders other than ``slot`` wait for (their published demand): what a
+        fair holder's idle pages (its reserved pool) may be wanted for. 0 under first_come, where
+        nobody gives anything back. O(holders). See Note [Pools under a fair budget] in
         kvcached.kv_cache_manager."""
         if self.policy != "fair":
             return 0
-        waiting = sum(h.demand_bytes for h in self.holders if h.alive and h.slot != slot)
-        return max(0, waiting - max(0, self.budget_bytes - self.held_bytes))
+        return sum(h.demand_bytes for h in self.holders if h.alive and h.slot != slot)
 
     def to_dict(self) -> dict:
         return {
@@ -442,11 +441,12 @@ class BudgetSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class ShareView:
-    """What one read of a budget tells a holder (bytes): its cap (I64_MAX: uncapped) and the
-    demand of the other holders that the budget's free bytes do not cover."""
+    """What one read of a budget tells a holder (bytes): its cap (I64_MAX: uncapped), what the
+    other holders wait for (BudgetSnapshot.others_waiting_bytes) and what the budget has free."""
 
     cap_bytes: int
-    short_bytes: int
+    others_waiting_bytes: int
+    free_bytes: int
 
 
 def _create(name: str, budget_bytes: int, stale_after_ns: int, policy: int) -> None:
@@ -1007,8 +1007,8 @@ class Budget:
         return self.share_view().cap_bytes
 
     def share_view(self) -> ShareView:
-        """This holder's cap (as cap_bytes, which it stores likewise) and the others' demand the
-        free bytes do not cover (BudgetSnapshot.short_bytes), from one copy of the segment.
+        """This holder's cap (as cap_bytes, which it stores likewise), what the others wait for
+        and what is free, from one copy of the segment.
 
         Raises:
             KVCachedError: the handle is closed or lost its slot, or the file is no budget.
@@ -1022,7 +1022,8 @@ class Budget:
             if mine is not None and mine.cap_bytes != cap:
                 self._store_own(_SLOT_CAP, cap)
             self._cap = cap
-            return ShareView(cap, snap.short_bytes(self._slot))
+            return ShareView(cap, snap.others_waiting_bytes(self._slot),
+                             max(0, snap.budget_bytes - snap.held_bytes))
 
     @staticmethod
     def _check_amount(nbytes: object) -> int:
