@@ -88,7 +88,12 @@ def _serve(spec: InstanceSpec, conn) -> None:
     # On CUDA decode steps replay CUDA graphs (the loop's default), captured here before the load
     # comes; the loop's pad block keeps one page of the instance mapped while it is idle.
     loop = ServingLoop(model, cache, max_running=w.max_running)
-    loop.add_request([1] * w.block_size, 2)     # warm-up: the first step compiles and loads kernels
+    # Warm-up: kernels compile and load at their first use, so a prefill of the shortest and of
+    # the longest prompt and a mixed step (decode rows beside a prefill) run now, not in a phase.
+    shortest, longest = w.prompt_tokens
+    loop.add_request([1] * longest, 2)
+    loop.step()
+    loop.add_request([1] * shortest, 2)
     loop.run_until_done()
     loop.capture_graphs()
     conn.send(("ready", {"pid": os.getpid(), "ipc_name": cache.manager.ipc_name,
