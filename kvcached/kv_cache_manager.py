@@ -651,8 +651,8 @@ class KVCacheManager:
             waiting = view.others_waiting_bytes        # See Note [Pools under a fair budget]
             give_back = waiting > 0 if self._pool_given_back else waiting > view.free_bytes
             if give_back != self._pool_given_back:
-                self._pool_given_back = give_back
                 self._pages.set_pool_bounds(*((0, 0) if give_back else self._pool_bounds))
+                self._pool_given_back = give_back
             if view.cap_bytes != self._cap_bytes:
                 self._cap_bytes = view.cap_bytes
                 self._pages.set_limit_pages(self._limit_pages())
