@@ -224,8 +224,6 @@ class KVCacheManager:
         self._limit_bytes = NO_LIMIT
         self._cap_bytes = I64_MAX           # the budget's cap: none (Note [Fair share])
         self._reported_demand = 0           # report_demand's blocks
-        self._pool_bounds = (0, 0)          # the configured (min, max) reserved pages
-        self._pool_given_back = False       # pool bounds at (0, 0) for others (Note [Pools under a fair budget])
         self._failed_blocks_seen = 0        # the allocator's num_failed_blocks at the last round
         self._limit_revision = 0
         self._limit_status = "applied"
@@ -259,7 +257,6 @@ class KVCacheManager:
         self.num_pages = num_pages
         # the instance's memory: every rank maps each page id (See Note [Tensor-parallel manager])
         self.page_bytes = self._group.page_table.page_bytes * self.world_size
-        self._pool_bounds = (settings.min_reserved_pages, settings.max_reserved_pages)
         self._pages = PageAllocator(self._group.page_table, num_pages=num_pages,
                                     min_reserved=settings.min_reserved_pages,
                                     max_reserved=settings.max_reserved_pages,
@@ -644,18 +641,12 @@ class KVCacheManager:
         failed = self._blocks.num_failed_blocks     # no lock: a free may hold it, waiting on the budget
         refused, self._failed_blocks_seen = failed - self._failed_blocks_seen, failed
         budget.set_demand(min(I64_MAX, max(self._reported_demand, refused) * self._bytes_per_block))
-        view = budget.share_view()
+        cap = budget.cap_bytes()
         with self._limit_lock:
-            if self._closed_reason is not None:
+            if self._closed_reason is not None or cap == self._cap_bytes:
                 return
-            waiting = view.others_waiting_bytes        # See Note [Pools under a fair budget]
-            give_back = waiting > 0 if self._pool_given_back else waiting > view.free_bytes
-            if give_back != self._pool_given_back:
-                self._pages.set_pool_bounds(*((0, 0) if give_back else self._pool_bounds))
-                self._pool_given_back = give_back
-            if view.cap_bytes != self._cap_bytes:
-                self._cap_bytes = view.cap_bytes
-                self._pages.set_limit_pages(self._limit_pages())
+            self._cap_bytes = cap
+            self._pages.set_limit_pages(self._limit_pages())
 
     # -- introspection -------------------------------------------------------------------------
     def get_mapped_memory_size(self, unit: str = "bytes") -> float:
@@ -859,22 +850,6 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # budget's flock, and the poller's other jobs (the publishing) must not wait behind that. A refused request the engine retries every step
 # counts each time, overstating demand within a round; that only widens this instance's share up
 # to its weighted slice, and stops as soon as its allocations succeed.
-#
-# Note [Pools under a fair budget]
-# A reserved pool is mapped memory no request uses: with Llama-3-8B pages (128 MiB a page id)
-# the default pool of up to 10 page ids holds 1.25 GiB, a fifth of a 6 GiB budget. A fair share
-# counts it as wanted (a holder's want is what it holds plus what it waits for), and a cap trims
-# it only when the cap falls below it, which it never does for a holder within its share: an idle
-# instance kept its whole pool (until the idle trim, 30 s) while another, at its own share,
-# waited for memory with the budget full, and nobody was capped. So under a fair budget each
-# share round also reads what the other holders wait for (their demand) and what the budget has
-# free; once they wait for more than is free, this manager keeps no pool (bounds 0 and 0: the
-# pool is unmapped at once, behind its fence, and freed pages are unmapped instead of pooled),
-# and it takes its configured bounds back (the pool refills) only once nobody else waits at all.
-# Taking them back as soon as the free bytes covered the demand let the refill race the waiting
-# holder for those very bytes (in a run of the demo on the H200, an instance held a 384 MiB pool
-# while the newly loaded one waited for memory). Under first_come nothing changes: nobody gives
-# anything back.
 #
 # Note [Moving blocks instead of preempting]
 # A page goes back only when every block on it is free, and an engine's requests take their next

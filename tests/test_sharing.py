@@ -520,31 +520,6 @@ def test_first_come_budget_caps_nobody(managers, budget_name):
     assert sampled(budget_name).held_bytes == 16 * page
 
 
-def test_a_pool_goes_back_while_another_instance_waits(managers, budget_name):
-    """An instance within its fair share keeps its reserved pool (2 pages) while the budget is
-    full and another, also at its share, waits for 2 pages: nobody is capped, so before the
-    pool rule nothing moved. Under fair the pool goes back and the waiting instance maps those
-    pages; once the demand is gone and the budget has room, the pool refills. (Under first_come
-    a pool stays: test_first_come_budget_caps_nobody.)"""
-    env = {"KVCACHED_GLOBAL_BUDGET": budget_name}
-    idle = managers(unique_name("pidle"), "--blocks", "2048", env={**env, "KVCACHED_GLOBAL_BUDGET_BYTES": "1"})
-    page, bpp = idle.info["page_bytes"], idle.info["blocks_per_page"]
-    assert kvctl("budget", budget_name, str(8 * page)).returncode == 0
-    assert idle.ask(f"alloc {2 * bpp}")["ok"]
-    poll("the idle instance's pool filled", lambda: idle.ask("share")["reserved_pages"] == 2)
-    late = managers(unique_name("plate"), "--blocks", "2048", env=env)
-    assert late.ask(f"alloc {4 * bpp}")["ok"]
-    poll("the budget full", lambda: sampled(budget_name).held_bytes == 8 * page)
-    assert late.ask(f"demand {2 * bpp}")["ok"]
-    state = poll("the idle instance's pool given back", lambda: (s := idle.ask("share"))["reserved_pages"] == 0 and s)
-    assert state["share"]["cap_bytes"] == kb.I64_MAX and state["over"] == 0     # nobody was capped
-    poll("the waiting instance maps the pool's pages",
-         lambda: sampled(budget_name) and late.ask(f"alloc {2 * bpp}")["ok"])
-    assert late.ask("demand 0")["ok"]
-    assert late.ask("free_all") == {"held_blocks": 0}
-    poll("the pool refilled", lambda: sampled(budget_name) and idle.ask("share")["reserved_pages"] == 2)
-
-
 def test_refused_allocations_are_demand(monkeypatch, budget_name):
     """Two managers of one process hold two slots of one budget: the one whose alloc is refused
     publishes those blocks as demand without report_demand, and the other is capped at half."""

@@ -652,23 +652,6 @@ def test_a_holder_is_capped_at_its_share_only_while_another_waits(name):
         late.check_invariants()
 
 
-def test_a_share_view_shows_what_the_others_wait_for_and_what_is_free(name):
-    """share_view: the cap as cap_bytes gives it, the demand of the other live holders (not the
-    holder's own) and the budget's free bytes, from one read; under first_come nobody waits
-    (nobody gives anything back)."""
-    set_budget(name, 10 * MiB)
-    with Budget.open(name) as a, Budget.open(name) as b, Budget.open(name) as c:
-        assert a.try_acquire(4 * MiB) and b.try_acquire(3 * MiB)
-        b.set_demand(2 * MiB)
-        c.set_demand(MiB)
-        a.set_demand(7 * MiB)
-        assert a.share_view() == kb.ShareView(a.cap_bytes(), 3 * MiB, 3 * MiB)
-        assert b.share_view().others_waiting_bytes == 8 * MiB
-        assert c.share_view().others_waiting_bytes == 9 * MiB
-        kb.set_policy(name, "first_come")
-        assert a.share_view() == kb.ShareView(kb.I64_MAX, 0, 3 * MiB)
-
-
 def test_set_holder_share_by_pid(name):
     set_budget(name, 8 * MiB)
     with Proc("budget-demand", name, str(8 * MiB)) as other, Budget.open(name) as mine:

@@ -416,15 +416,6 @@ class BudgetSnapshot:
         return dict(zip((h.slot for h in live), caps(max(0, self.budget_bytes), claims,
                                                      [h.share_bytes for h in live])))
 
-    def others_waiting_bytes(self, slot: int) -> int:
-        """Bytes the live holders other than ``slot`` wait for (their published demand): what a
-        fair holder's idle pages (its reserved pool) may be wanted for. 0 under first_come, where
-        nobody gives anything back. O(holders). See Note [Pools under a fair budget] in
-        kvcached.kv_cache_manager."""
-        if self.policy != "fair":
-            return 0
-        return sum(h.demand_bytes for h in self.holders if h.alive and h.slot != slot)
-
     def to_dict(self) -> dict:
         return {
             "name": self.name, "path": self.path, "budget_bytes": self.budget_bytes,
@@ -437,16 +428,6 @@ class BudgetSnapshot:
                          "share_bytes": h.share_bytes, "cap_bytes": h.cap_bytes}
                         for h in self.holders],
         }
-
-
-@dataclass(frozen=True, slots=True)
-class ShareView:
-    """What one read of a budget tells a holder (bytes): its cap (I64_MAX: uncapped), what the
-    other holders wait for (BudgetSnapshot.others_waiting_bytes) and what the budget has free."""
-
-    cap_bytes: int
-    others_waiting_bytes: int
-    free_bytes: int
 
 
 def _create(name: str, budget_bytes: int, stale_after_ns: int, policy: int) -> None:
@@ -1004,15 +985,6 @@ class Budget:
         Raises:
             KVCachedError: the handle is closed or lost its slot, or the file is no budget.
         """
-        return self.share_view().cap_bytes
-
-    def share_view(self) -> ShareView:
-        """This holder's cap (as cap_bytes, which it stores likewise), what the others wait for
-        and what is free, from one copy of the segment.
-
-        Raises:
-            KVCachedError: the handle is closed or lost its slot, or the file is no budget.
-        """
         with self._share_lock:
             self._check_open()
             snap = self._share_seg.snapshot()
@@ -1022,8 +994,7 @@ class Budget:
             if mine is not None and mine.cap_bytes != cap:
                 self._store_own(_SLOT_CAP, cap)
             self._cap = cap
-            return ShareView(cap, snap.others_waiting_bytes(self._slot),
-                             max(0, snap.budget_bytes - snap.held_bytes))
+            return cap
 
     @staticmethod
     def _check_amount(nbytes: object) -> int:
