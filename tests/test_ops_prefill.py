@@ -276,8 +276,8 @@ def compiled_variants() -> dict[str, int]:
     """How many compiled variants each kvcached kernel holds (Triton's per-device caches)."""
     from kvcached.ops import triton_decode, triton_prefill, triton_write
 
-    kernels = {"decode": triton_decode._decode_kernel, "prefill": triton_prefill._prefill_kernel,
-               "write": triton_write._write_kernel}
+    kernels = {"decode": triton_decode._decode_kernel, "combine": triton_decode._combine_kernel,
+               "prefill": triton_prefill._prefill_kernel, "write": triton_write._write_kernel}
     return {name: sum(len(caches[0]) for caches in kernel.device_caches.values()) for name, kernel in kernels.items()}
 
 
@@ -309,6 +309,30 @@ def test_one_compile_whatever_the_metadata_alignment_on_cuda():
             assert torch.equal(out, expected.setdefault(num_decodes, out))
             before = before or compiled_variants()
             assert compiled_variants() == before, f"a kernel compiled again at offset {offset}, {num_decodes} decodes"
+
+
+@pytest.mark.gpu
+@gpu
+def test_the_decode_kernel_compiles_once_per_split_count_on_cuda():
+    """The decode kernel's split count is a constexpr that follows the number of decode rows (a
+    mixed step's are any number); it is a power of two, so 1 to 48 decode rows over a loop's table
+    of 8,192 tokens give at most five split counts and compile at most one variant of each kernel
+    per count (Note [One compile per model]). Before, those rows gave ten split counts."""
+    from kvcached.ops import triton_decode
+
+    rows_max, width = 48, 512
+    case = dict(block_size=16, head_dim=128, kv_heads=8, heads=32, seq_lens=[300] * rows_max,
+                q_lens=[1] * rows_max, window=None, kv_layout="NHD", seed=3)
+    k_cache, v_cache, batch = make_plain_batch(case, dtype=torch.bfloat16, device="cuda")
+    tables = torch.nn.functional.pad(batch.block_tables, (0, width - batch.block_tables.shape[1]))
+    splits = {triton_decode._num_splits(rows, 8, width * 16, torch.device("cuda")) for rows in range(1, rows_max + 1)}
+    assert all(s & (s - 1) == 0 for s in splits) and len(splits) <= 5, splits
+    before = compiled_variants()
+    for rows in range(1, rows_max + 1):
+        paged_attention(batch.query[:rows], k_cache, v_cache, tables[:rows], batch.seq_lens[:rows],
+                        batch.query_start_loc[:rows + 1], batch.scale, num_decodes=rows)
+    after = compiled_variants()
+    assert after["decode"] - before["decode"] <= len(splits) and after["combine"] - before["combine"] <= len(splits)
 
 
 def with_padding_request(batch: Batch, null_block: int) -> dict:

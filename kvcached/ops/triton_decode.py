@@ -154,7 +154,8 @@ _sm_counts: dict[int, int] = {}
 
 def _num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
     """Splits of each sequence so that about two programs per multiprocessor run, no more than the
-    table's capacity allows at TOKENS_PER_SPLIT_MIN tokens a split. Host-side only (no sync)."""
+    table's capacity allows at TOKENS_PER_SPLIT_MIN tokens a split, rounded down to a power of two
+    (a compile per value: Note [One compile per model]). Host-side only (no sync)."""
     if device.type != "cuda":
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -162,7 +163,7 @@ def _num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device
         _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
     programs = batch * kv_heads
     wanted = -(-2 * _sm_counts[index] // programs)
-    return max(1, min(wanted, MAX_SPLITS, max_tokens // TOKENS_PER_SPLIT_MIN))
+    return 1 << (max(1, min(wanted, MAX_SPLITS, max_tokens // TOKENS_PER_SPLIT_MIN)).bit_length() - 1)
 
 
 def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -243,7 +244,12 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # (256 x (512 + 256), H200) met two such new classes of the prefill kernel after its warm-up,
 # 1.2 and 1.4 s each. Those loads are scalar or gathered anyway. The strides of the caches and
 # tokens stay specialised: they are fixed per model and their divisibility is what lets the
-# loads vectorise.
+# loads vectorise. The decode kernel's split count is a constexpr (it sizes the combine's
+# arange), and it follows the number of decode rows: the decode rows of an eager mixed step
+# took every value from 1 to MAX_SPLITS, each a compile the first time a process met it. It is
+# rounded down to a power of two, so there are five (1, 2, 4, 8, 16); with Llama-3-8B shapes on
+# an H200 (132 multiprocessors, 8 KV heads, a table of 8,192 tokens) the decode graphs' batches
+# 1, 4, 8, 16 and 40 give all five at capture.
 #
 # Note [Cache base address]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~
