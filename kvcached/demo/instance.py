@@ -89,7 +89,7 @@ def _serve(spec: InstanceSpec, conn) -> None:
     # comes; the loop's pad block keeps one page of the instance mapped while it is idle.
     loop = ServingLoop(model, cache, max_running=w.max_running)
     # Warm-up: kernels compile and load at their first use, so a prefill of the shortest and of
-    # the longest prompt and a mixed step (decode rows beside a prefill) run now, not in a phase.
+    # the longest prompt and a mixed step (a decode row beside a prefill) run now, before the load.
     shortest, longest = w.prompt_tokens
     loop.add_request([1] * longest, 2)
     loop.step()
