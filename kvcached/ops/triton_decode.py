@@ -246,7 +246,7 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # tokens stay specialised: they are fixed per model and their divisibility is what lets the
 # loads vectorise. The decode kernel's split count is a constexpr (it sizes the combine's
 # arange), and it follows the number of decode rows: the decode rows of an eager mixed step
-# took every value from 1 to MAX_SPLITS, each a compile the first time a process met it. It is
+# could ask for any value from 1 to MAX_SPLITS, each a compile the first time a process met it. It is
 # rounded down to a power of two, so there are five (1, 2, 4, 8, 16); with Llama-3-8B shapes on
 # an H200 (132 multiprocessors, 8 KV heads, a table of 8,192 tokens) the decode graphs' batches
 # 1, 4, 8, 16 and 40 give all five at capture.

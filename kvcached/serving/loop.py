@@ -961,10 +961,10 @@ class ServingLoop:
 # waited 3-4.7 s for their first token that way while the instance's preempted requests, which
 # had theirs, went first. A request that streams can wait longer now; its tokens are kept (on the
 # host, or recomputed), and the queue is still first come, first served, so it is not starved.
-# When it is admitted again its K/V are copied back from the host (Note [Swapping out]) or, without a host
-# copy, its prompt and those tokens are recomputed in one prefill, so the tokens that follow are
-# the ones it would have produced without the interruption; no request is dropped. If
-# the request that needs a block is itself the newest, it is the one preempted.
+# When it is admitted again its K/V are copied back from the host (Note [Swapping out]) or,
+# without a host copy, its prompt and those tokens are recomputed in one prefill, so the tokens
+# that follow are the ones it would have produced without the interruption; no request is
+# dropped. If the request that needs a block is itself the newest, it is the one preempted.
 #
 # Note [Swapping out]
 # Recomputing a preempted request costs a prefill of everything it had: a 4,096-token prefill
