@@ -162,10 +162,12 @@ def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list
         loop.close()
 
 
-def mixed_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list[float]:
-    """Seconds of setup.steps mixed steps: `batch` requests decoding and one new request's whole
-    mixed_prompt(setup)-token prompt prefilled in the same step (the normal step of continuous batching;
-    eager in both modes, the decode requests' graphs cannot take a prefill)."""
+def mixed_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list[tuple[float, float, float]]:
+    """(seconds, launch seconds, wait seconds) of setup.steps mixed steps: `batch` requests
+    decoding and one new request's whole mixed_prompt(setup)-token prompt prefilled in the same
+    step (the normal step of continuous batching; eager in every mode, the decode requests'
+    graphs cannot take a prefill). The launch is the host time of the model call, the wait the
+    time the step then waited for its tokens: a step whose wait is near 0 is bound by the host."""
     from kvcached.serving import ServingLoop
 
     new = 3 + 2 * setup.steps
@@ -187,7 +189,7 @@ def mixed_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list[
             sync(setup.device)
             start = time.perf_counter()
             loop.step()
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start, loop.stats.last_forward_s, loop.stats.last_wait_s))
             assert loop.stats.step_tokens >= mixed_prompt(setup), loop.stats
         return times
     finally:
@@ -210,21 +212,26 @@ def bench_decode(model, caches, setup: Setup) -> list[dict]:
         for (cache, mode), t in times.items():
             mixed = mixed_step_times(model, caches[cache], setup, batch, mode)
             row = {"batch": batch, "cache": cache, "mode": mode, "step_s": statistics.median(x for x, _ in t),
-                   "host_outside_s": statistics.median(h for _, h in t), "mixed_step_s": statistics.median(mixed)}
+                   "host_outside_s": statistics.median(h for _, h in t),
+                   "mixed_step_s": statistics.median(m[0] for m in mixed),
+                   "mixed_launch_s": statistics.median(m[1] for m in mixed),
+                   "mixed_wait_s": statistics.median(m[2] for m in mixed)}
             rows.append(row)
             print(f"  batch {batch}: {cache} {mode} {row['step_s'] * 1e3:.2f} ms "
                   f"(host outside the model call {row['host_outside_s'] * 1e3:.3f} ms); with a {mixed_prompt(setup)}-token "
-                  f"prefill joined {row['mixed_step_s'] * 1e3:.2f} ms", flush=True)
+                  f"prefill joined {row['mixed_step_s'] * 1e3:.2f} ms (launch {row['mixed_launch_s'] * 1e3:.2f}, "
+                  f"wait {row['mixed_wait_s'] * 1e3:.2f})", flush=True)
     return rows
 
 
 def print_decode(rows: list[dict], setup: Setup) -> None:
     print(f"\n| batch | cache | mode | ms/step | tok/s | host ms outside the model call | ms/step with a "
-          f"{mixed_prompt(setup)}-token prefill joined |")
-    print("|---:|---|---|---:|---:|---:|---:|")
+          f"{mixed_prompt(setup)}-token prefill joined | its launch ms | its wait ms |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['batch']} | {r['cache']} | {r['mode']} | {r['step_s'] * 1e3:.2f} | {r['batch'] / r['step_s']:.0f} | "
-              f"{r['host_outside_s'] * 1e3:.3f} | {r['mixed_step_s'] * 1e3:.2f} |")
+              f"{r['host_outside_s'] * 1e3:.3f} | {r['mixed_step_s'] * 1e3:.2f} | {r['mixed_launch_s'] * 1e3:.2f} | "
+              f"{r['mixed_wait_s'] * 1e3:.2f} |")
 
 
 # -- 2. end to end, with transformers' continuous batching as the anchor --------------------------
