@@ -210,12 +210,10 @@ def bench_decode(model, caches, setup: Setup) -> list[dict]:
             for cache, mode in names if round_ % 2 == 0 else names[::-1]:
                 times[cache, mode] += decode_step_times(model, caches[cache], setup, batch, mode)
         for (cache, mode), t in times.items():
-            mixed = mixed_step_times(model, caches[cache], setup, batch, mode)
+            mixed, launches, waits = zip(*mixed_step_times(model, caches[cache], setup, batch, mode))
             row = {"batch": batch, "cache": cache, "mode": mode, "step_s": statistics.median(x for x, _ in t),
-                   "host_outside_s": statistics.median(h for _, h in t),
-                   "mixed_step_s": statistics.median(m[0] for m in mixed),
-                   "mixed_launch_s": statistics.median(m[1] for m in mixed),
-                   "mixed_wait_s": statistics.median(m[2] for m in mixed)}
+                   "host_outside_s": statistics.median(h for _, h in t), "mixed_step_s": statistics.median(mixed),
+                   "mixed_launch_s": statistics.median(launches), "mixed_wait_s": statistics.median(waits)}
             rows.append(row)
             print(f"  batch {batch}: {cache} {mode} {row['step_s'] * 1e3:.2f} ms "
                   f"(host outside the model call {row['host_outside_s'] * 1e3:.3f} ms); with a {mixed_prompt(setup)}-token "
