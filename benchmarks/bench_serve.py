@@ -18,7 +18,9 @@ Prints three tables:
    --steps (a step launched ahead finishes inside the next call), the median over the rounds;
    static cache vs kvcached in alternating rounds, each mode; tokens/s = batch / step time, and
    the host time of a step outside its model call (the step() call's time less the launch of the
-   model call or graph replay and the wait for the device's tokens);
+   model call or graph replay and the wait for the device's tokens); with --profile (CUDA) also
+   the device's busy time per step, split into GEMMs, kvcached's kernels and the rest, beside the
+   span from its first kernel to its last: the step's floor under these kernels;
 2. end to end: --requests requests of --prompt + --new tokens, greedy, tokens/s of the loop over
    each cache in each mode and of ``model.generate_batch`` (transformers' paged cache with its
    built-in sdpa attention, on the same weights) where this transformers runs it;
@@ -52,6 +54,7 @@ BLOCK_SIZE = 16
 # and mixed step shape the timed run meets is compiled before it (a compiled model recompiles
 # for a new shape class, seconds each; an engine does that at start-up)
 WARMUP_NEW_TOKENS = 4
+PROFILE_STEPS = 4               # decode steps under torch.profiler per decode row (--profile)
 # ServingLoop's options per mode
 MODES = {"eager": {"cuda_graphs": False}, "graphs": {"cuda_graphs": True, "overlap": False},
          "compiled": {"cuda_graphs": True, "compile_model": True, "overlap": False},
@@ -80,6 +83,7 @@ class Setup:
     threads: int | None
     modes: tuple[str, ...] = ("eager", "graphs")
     batch_tokens: int = 4096        # the end-to-end loops' max_batch_tokens
+    profile: bool = False           # decode rows: the device's busy time per step (CUDA)
 
 
 def setup_from(args) -> Setup:
@@ -124,9 +128,10 @@ def make_caches(model, setup: Setup, num_blocks: int):
 
 # -- 1. decode step ------------------------------------------------------------------------------
 
-def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list[tuple[float, float]]:
+def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> tuple[list[tuple[float, float]], dict]:
     """(seconds, host seconds outside the model call) of each of setup.steps decode steps of
-    `batch` requests (after prefill and 2 warm-up steps, which capture the batch's graph). The
+    `batch` requests (after prefill and 2 warm-up steps, which capture the batch's graph), and
+    with setup.profile on CUDA the device_profile of PROFILE_STEPS more steps (else {}). The
     steps run back to back and the device is synchronised once, after the last: with overlap a
     step launched ahead finishes inside the next call, so a sync before each step would absorb
     its device time. The seconds are the total, final sync included, / setup.steps (the
@@ -134,7 +139,8 @@ def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list
     from kvcached.serving import ServingLoop
 
     warmup = 2
-    new = 1 + warmup + setup.steps
+    profiled = PROFILE_STEPS if setup.profile and setup.device.startswith("cuda") else 0
+    new = 1 + warmup + setup.steps + profiled
     loop = ServingLoop(model, cache, max_batch_tokens=max(setup.prompt * batch, 1), max_running=batch,
                        max_tokens=setup.prompt + new, **MODES[mode])
     try:
@@ -155,11 +161,45 @@ def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list
             host.append(elapsed - s.last_forward_s - s.last_wait_s)
         sync(setup.device)
         step = (time.perf_counter() - first) / setup.steps
+        profile = device_profile(loop.step, profiled) if profiled else {}
         assert not loop.has_work(), loop.stats
         assert mode == "eager" or loop.stats.runner_steps >= setup.steps, loop.stats
-        return [(step, h) for h in host]
+        return [(step, h) for h in host], profile
     finally:
         loop.close()
+
+
+def device_profile(step, steps: int) -> dict:
+    """Milliseconds per step of `steps` calls of step() under torch.profiler (CUDA): the device's
+    busy time (kernels and copies, those inside CUDA graphs included), split into cuBLAS GEMMs,
+    kvcached's attention kernels (write, decode, combine, prefill) and the rest, and the span from
+    the first kernel's start to the last one's end. A busy time close to the step time says the
+    step runs at the device's pace: only fewer or faster kernels make it shorter."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for start, end, name in spans:
+        busy[_kernel_group(name)] += end - start
+    per_step = {f"{group}_ms": us / steps / 1e3 for group, us in busy.items()}
+    per_step["busy_ms"] = sum(busy.values()) / steps / 1e3
+    per_step["span_ms"] = (max(e for _, e, _ in spans) - min(s for s, _, _ in spans)) / steps / 1e3 if spans else 0.0
+    return per_step
+
+
+def _kernel_group(name: str) -> str:
+    """gemm (cuBLAS's kernels and its split-K reduction), attention (kvcached.ops' kernels) or other."""
+    lowered = name.lower()
+    if any(word in lowered for word in ("gemm", "nvjet", "cutlass", "splitkreduce")):
+        return "gemm"
+    if name.startswith(("_write_kernel", "_decode_kernel", "_combine_kernel", "_prefill_kernel")):
+        return "attention"
+    return "other"
 
 
 def mixed_step_times(model, cache, setup: Setup, batch: int, mode: str) -> list[tuple[float, float, float]]:
@@ -206,30 +246,43 @@ def bench_decode(model, caches, setup: Setup) -> list[dict]:
     names = [(cache, mode) for mode in setup.modes for cache in caches]
     for batch in setup.batches:
         times: dict[tuple[str, str], list[tuple[float, float]]] = {name: [] for name in names}
+        profiles: dict[tuple[str, str], dict] = {}
         for round_ in range(setup.rounds):
             for cache, mode in names if round_ % 2 == 0 else names[::-1]:
-                times[cache, mode] += decode_step_times(model, caches[cache], setup, batch, mode)
+                steps, profiles[cache, mode] = decode_step_times(model, caches[cache], setup, batch, mode)
+                times[cache, mode] += steps
         for (cache, mode), t in times.items():
             mixed, launches, waits = zip(*mixed_step_times(model, caches[cache], setup, batch, mode))
             row = {"batch": batch, "cache": cache, "mode": mode, "step_s": statistics.median(x for x, _ in t),
                    "host_outside_s": statistics.median(h for _, h in t), "mixed_step_s": statistics.median(mixed),
-                   "mixed_launch_s": statistics.median(launches), "mixed_wait_s": statistics.median(waits)}
+                   "mixed_launch_s": statistics.median(launches), "mixed_wait_s": statistics.median(waits),
+                   "device": profiles[cache, mode]}
             rows.append(row)
             print(f"  batch {batch}: {cache} {mode} {row['step_s'] * 1e3:.2f} ms "
                   f"(host outside the model call {row['host_outside_s'] * 1e3:.3f} ms); with a {mixed_prompt(setup)}-token "
                   f"prefill joined {row['mixed_step_s'] * 1e3:.2f} ms (launch {row['mixed_launch_s'] * 1e3:.2f}, "
                   f"wait {row['mixed_wait_s'] * 1e3:.2f})", flush=True)
+            if row["device"]:
+                d = row["device"]
+                print(f"    device per decode step (last round): busy {d['busy_ms']:.2f} ms (GEMMs {d['gemm_ms']:.2f}, "
+                      f"kvcached's kernels {d['attention_ms']:.2f}, other {d['other_ms']:.2f}), first kernel to "
+                      f"last {d['span_ms']:.2f} ms", flush=True)
     return rows
 
 
 def print_decode(rows: list[dict], setup: Setup) -> None:
+    profiled = any(r["device"] for r in rows)
+    device = " device busy ms (GEMMs / kvcached / other) | first to last kernel ms |" if profiled else ""
     print(f"\n| batch | cache | mode | ms/step | tok/s | host ms outside the model call | ms/step with a "
-          f"{mixed_prompt(setup)}-token prefill joined | its launch ms | its wait ms |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
+          f"{mixed_prompt(setup)}-token prefill joined | its launch ms | its wait ms |{device}")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if profiled else ""))
     for r in rows:
+        d = r["device"]
+        busy = (f" {d['busy_ms']:.2f} ({d['gemm_ms']:.2f} / {d['attention_ms']:.2f} / {d['other_ms']:.2f}) | "
+                f"{d['span_ms']:.2f} |" if d else " | |") if profiled else ""
         print(f"| {r['batch']} | {r['cache']} | {r['mode']} | {r['step_s'] * 1e3:.2f} | {r['batch'] / r['step_s']:.0f} | "
               f"{r['host_outside_s'] * 1e3:.3f} | {r['mixed_step_s'] * 1e3:.2f} | {r['mixed_launch_s'] * 1e3:.2f} | "
-              f"{r['mixed_wait_s'] * 1e3:.2f} |")
+              f"{r['mixed_wait_s'] * 1e3:.2f} |{busy}")
 
 
 # -- 2. end to end, with transformers' continuous batching as the anchor --------------------------
@@ -518,10 +571,14 @@ def main() -> None:
                         help="comma list of the caches to run side by side: static, kvcached")
     parser.add_argument("--modes", default="eager,graphs",
                         help="comma list of loop modes to run side by side: " + ", ".join(MODES))
+    parser.add_argument("--profile", action="store_true",
+                        help=f"CUDA: after each decode row's last round, {PROFILE_STEPS} more steps under torch.profiler "
+                             f"(the device's busy time per step: GEMMs, kvcached's kernels, the rest)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     setup = setup_from(args)
     setup.batch_tokens = args.batch_tokens
+    setup.profile = args.profile
     skip = set(filter(None, args.skip.split(",")))
     if setup.threads:
         torch.set_num_threads(setup.threads)
