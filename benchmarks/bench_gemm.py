@@ -50,27 +50,25 @@ def time_layers(x: torch.Tensor, weights: list[torch.Tensor], reps: int) -> floa
             F.linear(x, w)
 
     run()
-    if x.is_cuda:
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        run = graph.replay
-        run()
-        torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
-        if x.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
+    if not x.is_cuda:
+        for _ in range(reps):
             start_s = time.perf_counter()
             run()
             times.append(time.perf_counter() - start_s)
+        return statistics.median(times) / len(weights)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
     return statistics.median(times) / len(weights)
 
 

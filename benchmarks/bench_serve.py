@@ -131,7 +131,7 @@ def make_caches(model, setup: Setup, num_blocks: int):
 def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> tuple[list[tuple[float, float]], dict]:
     """(seconds, host seconds outside the model call) of each of setup.steps decode steps of
     `batch` requests (after prefill and 2 warm-up steps, which capture the batch's graph), and
-    with setup.profile on CUDA the device_profile of PROFILE_STEPS more steps (else {}). The
+    with setup.profile the device_profile of PROFILE_STEPS more steps (else {}). The
     steps run back to back and the device is synchronised once, after the last: with overlap a
     step launched ahead finishes inside the next call, so a sync before each step would absorb
     its device time. The seconds are the total, final sync included, / setup.steps (the
@@ -139,7 +139,7 @@ def decode_step_times(model, cache, setup: Setup, batch: int, mode: str) -> tupl
     from kvcached.serving import ServingLoop
 
     warmup = 2
-    profiled = PROFILE_STEPS if setup.profile and setup.device.startswith("cuda") else 0
+    profiled = PROFILE_STEPS if setup.profile else 0
     new = 1 + warmup + setup.steps + profiled
     loop = ServingLoop(model, cache, max_batch_tokens=max(setup.prompt * batch, 1), max_running=batch,
                        max_tokens=setup.prompt + new, **MODES[mode])
@@ -579,6 +579,8 @@ def main() -> None:
     setup = setup_from(args)
     setup.batch_tokens = args.batch_tokens
     setup.profile = args.profile
+    if setup.profile and not setup.device.startswith("cuda"):
+        raise SystemExit("--profile times the device's kernels: it needs CUDA (drop --quick or --device cpu)")
     skip = set(filter(None, args.skip.split(",")))
     if setup.threads:
         torch.set_num_threads(setup.threads)
