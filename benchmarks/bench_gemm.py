@@ -31,6 +31,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvcached.serving.model import model_config  # noqa: E402
 
+from bench_attention import time_calls  # noqa: E402
+
 ARRANGEMENTS = {"separate": ("q", "k", "v", "o", "gate", "up", "down"), "fused": ("qkv", "o", "gate_up", "down")}
 
 
@@ -50,8 +52,8 @@ def time_layers(x: torch.Tensor, weights: list[torch.Tensor], reps: int) -> floa
             F.linear(x, w)
 
     run()
-    times = []
     if not x.is_cuda:
+        times = []
         for _ in range(reps):
             start_s = time.perf_counter()
             run()
@@ -61,15 +63,7 @@ def time_layers(x: torch.Tensor, weights: list[torch.Tensor], reps: int) -> floa
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    graph.replay()
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times) / len(weights)
+    return time_calls(graph.replay, reps, warmup=1) / 1e3 / len(weights)
 
 
 def bench(config, ms: list[int], dtype: torch.dtype, device: str, reps: int) -> list[dict]:
