@@ -522,6 +522,52 @@ def test_triton_matches_torch_path_on_cuda(kv_layout):
     assert (out.float() - torch_path.float()).abs().max().item() < 2e-2
 
 
+@given(programs=st.integers(1, 100_000), per_sm=st.lists(st.integers(1, 32), min_size=1, max_size=4),
+       sms=st.integers(1, 200))
+def test_the_fullest_last_wave_is_chosen(programs, per_sm, sms):
+    """The decode kernel's pipeline depth is the choice whose last wave of programs is fullest
+    (Note [Pipeline stages]); equal occupancies tie, and a tie keeps the first choice."""
+    from kvcached.ops.waves import fullest_last_wave
+
+    choices = dict(enumerate(per_sm))
+    fills = {c: (programs / (n * sms)) / -(-programs // (n * sms)) for c, n in choices.items()}
+    chosen = fullest_last_wave(programs, choices, sms)
+    assert fills[chosen] == max(fills.values())
+    assert chosen == min(c for c, f in fills.items() if f == fills[chosen])
+
+
+def test_the_last_wave_rule_on_the_h200s_measured_shapes():
+    """The H200's decode kernel: 3 stages hold 3 programs a multiprocessor, 2 stages 4; 132 of
+    them. Measured (Note [Pipeline stages]): 64 x 8 programs ran faster at 2 stages, 88 x 8 at 3."""
+    from kvcached.ops.waves import fullest_last_wave
+
+    h200 = {3: 3, 2: 4}
+    assert fullest_last_wave(64 * 8, h200, 132) == 2
+    assert fullest_last_wave(88 * 8, h200, 132) == 3
+    assert fullest_last_wave(256 * 8, h200, 132) == 2
+    assert fullest_last_wave(16 * 8, h200, 132) == 3      # under one wave either way: the fuller one
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("case", TRITON_CASES[::4], ids=lambda c: f"bs{c['block_size']}-d{c['head_dim']}")
+def test_decode_pipeline_depths_agree_bit_for_bit_on_cuda(case):
+    """Each launch picks its pipeline depth (Note [Pipeline stages]); the depths compute the same
+    sums in the same order, so a batch's output does not depend on which one it got."""
+    from kvcached.ops import triton_decode
+    from kvcached.ops._args import cache_geometry
+
+    k_cache, v_cache, batch = make_plain_batch(case, dtype=torch.bfloat16, device="cuda")
+    geometry = cache_geometry(k_cache, v_cache, case["kv_layout"])
+    for splits in (1, 4):
+        outs = [triton_decode.paged_decode_triton(batch.query, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                                  batch.scale, case["window"], geometry, num_splits=splits,
+                                                  num_stages=stages)
+                for stages in triton_decode.PIPELINE_STAGES]
+        assert all(torch.equal(out, outs[0]) for out in outs[1:]), splits
+        assert_close(outs[0], batch.expected(case["window"]), 2e-2)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("kv_layout", KV_LAYOUTS)

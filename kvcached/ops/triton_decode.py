@@ -2,7 +2,8 @@
 
 One program per (sequence, KV head[, split]); the GQA group's queries are padded to at least 16
 rows so that both products are ``tl.dot``; each loop step reads BLOCK_N tokens (4 blocks of 16
-at block_size 16) through the block table, pipelined over 3 stages. See Note [Decode kernel shape].
+at block_size 16) through the block table, pipelined over 2 or 3 stages. See Note [Decode
+kernel shape] and Note [Pipeline stages].
 
 Imported only for CUDA tensors (the CPU torch wheel has no triton), or explicitly under
 ``TRITON_INTERPRET=1`` to run the kernel on the CPU in tests.
@@ -17,11 +18,13 @@ import triton  # type: ignore[import-not-found, unused-ignore]
 import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 
 from ._args import CacheGeometry
+from .waves import fullest_last_wave, programs_per_sm
 
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 16
 TOKENS_PER_SPLIT_MIN = 512      # a split reads at least this many tokens (else the combine costs more)
 _TILE_BYTES = 16 << 10          # one K (or V) tile of BLOCK_N x D_PAD elements per pipeline stage
+PIPELINE_STAGES = (3, 2)        # the decode kernel's choices, deeper first: Note [Pipeline stages]
 
 
 @triton.jit
@@ -152,27 +155,52 @@ def device_of(tensor: torch.Tensor):
 _sm_counts: dict[int, int] = {}
 
 
+def _sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (cached: the property query costs microseconds)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _sm_counts[index]
+
+
 def _num_splits(batch: int, kv_heads: int, max_tokens: int, device: torch.device) -> int:
     """Splits of each sequence so that about two programs per multiprocessor run, no more than the
     table's capacity allows at TOKENS_PER_SPLIT_MIN tokens a split, rounded down to a power of two
     (a compile per value: Note [One compile per model]). Host-side only (no sync)."""
     if device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
     programs = batch * kv_heads
-    wanted = -(-2 * _sm_counts[index] // programs)
+    wanted = -(-2 * _sm_count(device) // programs)
     return 1 << (max(1, min(wanted, MAX_SPLITS, max_tokens // TOKENS_PER_SPLIT_MIN)).bit_length() - 1)
+
+
+_programs_per_sm: dict[tuple, int] = {}   # (stages, device, strides, constexprs) -> programs a multiprocessor holds
+
+
+def _pipeline_stages(grid: tuple[int, int], args: tuple, constexprs: dict, strides: tuple[int, ...],
+                     device: torch.device) -> int:
+    """The stage count of PIPELINE_STAGES that fills the last wave best. Each variant is compiled
+    once per set of constexprs and ``strides`` (the specialised ones) to learn how many of its
+    programs a multiprocessor holds. See Note [Pipeline stages]."""
+    variant = (device, strides, *constexprs.values())        # constexprs are passed in one order
+    per_sm = {}
+    for stages in PIPELINE_STAGES:
+        key = (stages, *variant)
+        if key not in _programs_per_sm:
+            kernel = _decode_kernel.warmup(*args, grid=grid, **constexprs, num_warps=4, num_stages=stages)
+            _programs_per_sm[key] = programs_per_sm(kernel)
+        per_sm[stages] = _programs_per_sm[key]
+    return fullest_last_wave(grid[0] * grid[1], per_sm, _sm_count(device))
 
 
 def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                         sliding_window: int | None, geometry: CacheGeometry, *,
-                        num_splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch the decode kernel; arguments already checked by paged_decode. ``num_splits`` None
-    picks one from the batch shape (tests force it); ``out`` (the query's shape and dtype) is
-    written instead of a new tensor."""
+                        num_splits: int | None = None, num_stages: int | None = None,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch the decode kernel; arguments already checked by paged_decode. ``num_splits`` and
+    ``num_stages`` (the pipeline's depth, CUDA only) None pick them from the batch shape (tests
+    force them); ``out`` (the query's shape and dtype) is written instead of a new tensor."""
     batch, heads, head_dim = query.shape
     group = heads // geometry.num_kv_heads
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -189,19 +217,21 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         o_part = torch.empty((batch, heads, splits, d_pad), dtype=torch.float32, device=query.device)
     else:
         m_part = l_part = o_part = out
-    stages = {"num_warps": 4, "num_stages": 3} if query.is_cuda else {}
+    grid = (batch * geometry.num_kv_heads, splits)
+    strides = (*query.stride(), *geometry.k_strides, *geometry.v_strides, *out.stride())
+    args = (query, k_cache.data_ptr(), v_cache.data_ptr(), block_tables, seq_lens, out, m_part, l_part, o_part,
+            scale * LOG2_E, sliding_window or 0, *strides[:11], block_tables.stride(0), *strides[11:])
+    constexprs = dict(KV_HEADS=geometry.num_kv_heads, GROUP=group, Q_ROWS=max(16, triton.next_power_of_2(group)),
+                      HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=geometry.block_size, BLOCK_N=block_n,
+                      NUM_SPLITS=splits, USE_WINDOW=sliding_window is not None,
+                      DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+                      CACHE_DTYPE=element_type(k_cache), ALIGNED=aligned(k_cache, v_cache))
     with device_of(query):
-        _decode_kernel[(batch * geometry.num_kv_heads, splits)](
-            query, k_cache.data_ptr(), v_cache.data_ptr(), block_tables, seq_lens, out,
-            m_part, l_part, o_part,
-            scale * LOG2_E, sliding_window or 0,
-            *query.stride(), *geometry.k_strides, *geometry.v_strides, block_tables.stride(0), *out.stride(),
-            KV_HEADS=geometry.num_kv_heads, GROUP=group, Q_ROWS=max(16, triton.next_power_of_2(group)),
-            HEAD_DIM=head_dim, D_PAD=d_pad,
-            BLOCK_SIZE=geometry.block_size, BLOCK_N=block_n, NUM_SPLITS=splits,
-            USE_WINDOW=sliding_window is not None,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-            CACHE_DTYPE=element_type(k_cache), ALIGNED=aligned(k_cache, v_cache), **stages)
+        if query.is_cuda:
+            stages = num_stages or _pipeline_stages(grid, args, constexprs, strides, query.device)
+            _decode_kernel[grid](*args, **constexprs, num_warps=4, num_stages=stages)
+        else:
+            _decode_kernel[grid](*args, **constexprs)
         if splits > 1:
             _combine_kernel[(batch, heads)](
                 m_part, l_part, o_part, out, *out.stride(), heads,
@@ -217,7 +247,8 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # per (sequence, KV head), so each K/V byte is read by exactly one program and the GQA group's
 # queries share it; the group padded to 16 rows so that q.K^T and p.V are tensor-core dots (a
 # group of 1-8 rows would otherwise be a reduction over registers); BLOCK_N = 64 tokens per step
-# (4 blocks of 16) and 3 pipeline stages, so ~2 steps of loads are in flight while one computes.
+# (4 blocks of 16) and 3 pipeline stages, so ~2 steps of loads are in flight while one computes
+# (or 2 stages where that fills the last wave better: Note [Pipeline stages]).
 # Every token looks its block up in the table (BLOCK_N loads of the table's int32 or int64, served
 # by L1), which makes any block size work and lets a chunk span several blocks; the block id is
 # widened to int64 before it is scaled by the block stride (a 78 GiB cache has element offsets
@@ -230,6 +261,24 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # multiprocessor. H200, 2026-11-30, 8 KV heads x 128, bf16, 1024 tokens, GB/s of K/V read
 # (copy rate 4264): 16 sequences 1834 unsplit, 2602 with 3 splits, 2620 with 4; 64 sequences
 # 3949 unsplit, 3628 with 2, 3282 with 4; 500 sequences 4329 unsplit, 4056 with 2.
+#
+# Note [Pipeline stages]
+# ~~~~~~~~~~~~~~~~~~~~~~~
+# The kernel's programs all stream about the same bytes, so a launch runs in waves of as many
+# programs as the multiprocessors hold at once, and a last wave that is partly empty leaves HBM
+# idle. How many a multiprocessor holds follows the pipeline's depth: on the H200 (Llama-3-8B
+# shapes, bf16) 3 stages take 136 registers a thread, 3 programs per multiprocessor, and 2 stages
+# 126, 4 programs; shared memory (39 KiB a program) is not what binds. Neither depth wins
+# everywhere: the deeper one keeps more loads in flight per program, the shallower one more
+# programs. Which last wave is fuller decides, within a few percent, at every batch measured
+# (H200, 2026-12-03, 16-320 sequences of 528 and 1024 tokens, equal and ragged lengths, one CUDA
+# graph of 20 launches each): 64 x 528 tokens, 512 programs, 4 a multiprocessor fill 0.97 of a
+# wave against 3 filling 1.29 waves, and 2 stages take 0.82 x the time of 3; 88 x 528 (704
+# programs: 1.33 waves against 1.78) 2 stages take 1.11 x. So each launch picks the depth whose
+# last wave is fullest, from the programs per multiprocessor of each variant as compiled (its
+# registers, shared memory and threads), learned once per variant; a variant is compiled for
+# each depth the first time its shapes are met. The two depths compute the same sums in the same
+# order: the outputs are bit for bit equal.
 #
 # Note [Program order]
 # ~~~~~~~~~~~~~~~~~~~~
