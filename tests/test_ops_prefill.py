@@ -156,15 +156,17 @@ def test_prefill_kernel_compiles_for_sm90_pipelined(dtype, head_dim, group, wind
 
 
 @pytest.mark.skipif(_sm90_compiler() is not None, reason=str(_sm90_compiler()))
+@pytest.mark.parametrize("stages", [3, 2])
 @pytest.mark.parametrize("aligned", [True, False])
-def test_decode_kernel_compiles_for_sm90_pipelined_when_aligned(aligned):
-    """The decode kernel too: with ALIGNED its loads are asynchronous copies; without, they are
-    not (which is why the launcher passes it). See Note [Cache base address]."""
+def test_decode_kernel_compiles_for_sm90_pipelined_when_aligned(aligned, stages):
+    """The decode kernel too, at either pipeline depth (Note [Pipeline stages]): with ALIGNED its
+    loads are asynchronous copies; without, they are not (which is why the launcher passes it).
+    See Note [Cache base address]."""
     from kvcached.ops.triton_decode import _decode_kernel
 
-    constants = dict(GROUP=4, Q_ROWS=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=1,
+    constants = dict(KV_HEADS=8, GROUP=4, Q_ROWS=16, HEAD_DIM=128, D_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=1,
                      USE_WINDOW=False, DOT_PRECISION="tf32")
-    kernel = compile_for_sm90(_decode_kernel, "bf16", constants, 4, 3, aligned=aligned)
+    kernel = compile_for_sm90(_decode_kernel, "bf16", constants, 4, stages, aligned=aligned)
     assert ("cp.async" in kernel.asm["ptx"]) == aligned
 
 
