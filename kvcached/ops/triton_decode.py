@@ -218,9 +218,9 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     else:
         m_part = l_part = o_part = out
     grid = (batch * geometry.num_kv_heads, splits)
-    strides = (*query.stride(), *geometry.k_strides, *geometry.v_strides, *out.stride())
+    data_strides = (*query.stride(), *geometry.k_strides, *geometry.v_strides)
     args = (query, k_cache.data_ptr(), v_cache.data_ptr(), block_tables, seq_lens, out, m_part, l_part, o_part,
-            scale * LOG2_E, sliding_window or 0, *strides[:11], block_tables.stride(0), *strides[11:])
+            scale * LOG2_E, sliding_window or 0, *data_strides, block_tables.stride(0), *out.stride())
     constexprs = dict(KV_HEADS=geometry.num_kv_heads, GROUP=group, Q_ROWS=max(16, triton.next_power_of_2(group)),
                       HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_SIZE=geometry.block_size, BLOCK_N=block_n,
                       NUM_SPLITS=splits, USE_WINDOW=sliding_window is not None,
@@ -228,7 +228,8 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                       CACHE_DTYPE=element_type(k_cache), ALIGNED=aligned(k_cache, v_cache))
     with device_of(query):
         if query.is_cuda:
-            stages = num_stages or _pipeline_stages(grid, args, constexprs, strides, query.device)
+            stages = num_stages or _pipeline_stages(grid, args, constexprs, (*data_strides, *out.stride()),
+                                                    query.device)
             _decode_kernel[grid](*args, **constexprs, num_warps=4, num_stages=stages)
         else:
             _decode_kernel[grid](*args, **constexprs)
