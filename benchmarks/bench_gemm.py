@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kvcached.serving.model import model_config  # noqa: E402
 
-from bench_attention import time_calls  # noqa: E402
+from bench_layout import time_calls  # noqa: E402
 
 ARRANGEMENTS = {"separate": ("q", "k", "v", "o", "gate", "up", "down"), "fused": ("qkv", "o", "gate_up", "down")}
 
@@ -52,18 +50,14 @@ def time_layers(x: torch.Tensor, weights: list[torch.Tensor], reps: int) -> floa
             F.linear(x, w)
 
     run()
-    if not x.is_cuda:
-        times = []
-        for _ in range(reps):
-            start_s = time.perf_counter()
+    if x.is_cuda:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             run()
-            times.append(time.perf_counter() - start_s)
-        return statistics.median(times) / len(weights)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return time_calls(graph.replay, reps, warmup=1) / 1e3 / len(weights)
+        graph.replay()
+        run = graph.replay
+    return time_calls(run, x.device.type, reps) / len(weights)
 
 
 def bench(config, ms: list[int], dtype: torch.dtype, device: str, reps: int) -> list[dict]:
