@@ -477,11 +477,11 @@ def choose_layout(requested: str, backend_kind: str, needs_joint_kv: bool = Fals
         return "per_layer", ("auto on an integrated-memory GPU: the interleaved block stride was measured to slow "
                              "FlashAttention's split-KV kernel by 56% on a GB10; per_layer keeps blocks adjacent")
     if backend_kind == "cuda":
-        return "interleaved", ("auto on a discrete-memory GPU: one mapping per page id (the H200 maps 78 GiB in "
-                               "43 ms instead of 2.2 s) and the block stride costs nothing there (4.24 TB/s in "
-                               "every layout)")
-    return "interleaved", ("auto on the host backend: one mapping per page id instead of 2*L (each mmap costs "
-                           "~4 us and a VMA against vm.max_map_count), and the stride was not measured to cost")
+        return "interleaved", ("auto on a discrete-memory GPU: one mapping per page id (per_layer's 2*L take ~70x "
+                               "as long) and the block stride costs nothing there (every layout reads K/V at the "
+                               "copy rate)")
+    return "interleaved", ("auto on the host backend: one mapping per page id instead of 2*L (which take ~80x as "
+                           "long, each mmap a VMA against vm.max_map_count), and the stride was not measured to cost")
 
 
 # Note [Per-layer ranges]
@@ -509,21 +509,21 @@ def choose_layout(requested: str, backend_kind: str, needs_joint_kv: bool = Fals
 # Note [Default layout]
 # What separates the layouts is (a) how many mappings a page id costs and (b) whether the block
 # stride inside a layer (one block in per_layer, L*K blocks in interleaved) slows attention.
-# (a) is measured everywhere: on the H200 the cost is per mapping, not per byte, so mapping 78 GiB
-# took ~2.2 s as 2 MiB per-layer mappings and 43 ms as one 128 MiB mapping per page id; the
+# (a) is measured everywhere: on CUDA the cost is per mapping, not per byte, so per_layer maps a
+# page id ~70x slower than one compound mapping at 32 layers (benchmarks/README.md, bench_vmm); the
 # reference project's per_layer allocator was 10-100x slower with no reserve pool. On the host
-# backend a mapping costs 3.5-4.6 us and one VMA, and vm.max_map_count (65530) caps scattered
-# mappings, so 2*L mappings per page id are the ones to avoid there too. (b) was measured on the
-# H200 at 4.24 TB/s in every layout (within 0.6% of a plain cache), while the reference project
-# published 56% (kernel) and 31% (end to end) slowdowns for interleaved on a GB10, an
-# integrated-memory part. On the host backend (CPU machine, 2 cores, 2026-11-30; 32 layers, K+V,
-# 32 KiB blocks, 256 KiB pages, 64 page ids): map 416-638 us per page id for per_layer against
-# 5-7 us for interleaved (unmap 290-390 against 5-7); reading 400 random blocks of every layer
-# block by block (memcpy per block, as a paged kernel reads them) ran at 10.7-11.3 GB/s for
-# per_layer, 11.0-11.2 for interleaved, 9.1-9.7 for page_grouped: no stride cost. (torch's
-# generic index_select over the block dimension did hit a slow path on the interleaved view,
-# 1.5 against 9.6 GB/s: code that gathers blocks with torch ops on the host should gather per
-# block or ask for per_layer.) Hence: interleaved on discrete GPUs and on the host backend,
-# per_layer where memory is integrated (the stride cost was shown). page_grouped would give both, but its sparse ids break the plain contract, so it is
-# never the default. Figures for other platforms go into benchmarks/ and, if they show a stride
-# cost, into this choice.
+# backend a mapping costs a few us and one VMA, and vm.max_map_count (65530) caps scattered
+# mappings, so 2*L mappings per page id are the ones to avoid there too. (b) was measured on a
+# discrete GPU: every layout reads K/V at the copy rate, within 1 % of a plain cache
+# (benchmarks/README.md, bench_layout), while the reference project published 56% (kernel) and 31%
+# (end to end) slowdowns for interleaved on a GB10, an integrated-memory part. On the host backend
+# (32 layers, K+V, 32 KiB blocks, 256 KiB pages, 64 page ids) per_layer mapped a page id ~80x
+# slower than interleaved and unmapped it ~60x slower; reading 400 random blocks of every layer
+# block by block (memcpy per block, as a paged kernel reads them) ran as fast for interleaved as
+# for per_layer, and ~15 % slower for page_grouped: no stride cost (benchmarks/HISTORY.md).
+# (torch's generic index_select over the block dimension did hit a slow path on the interleaved
+# view, a sixth of the per-block rate: code that gathers blocks with torch ops on the host should
+# gather per block or ask for per_layer.) Hence: interleaved on discrete GPUs and on the host
+# backend, per_layer where memory is integrated (the stride cost was shown). page_grouped would
+# give both, but its sparse ids break the plain contract, so it is never the default. Figures for
+# other platforms go into benchmarks/ and, if they show a stride cost, into this choice.

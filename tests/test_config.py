@@ -20,12 +20,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcached import config
+from kvcached.checks import as_int
 from kvcached.errors import KVCachedConfigError
+from kvcached.limits import I64_MAX
+from kvcached.shm.budget import check_weight
+from kvcached.shm.files import validate_name
 
 # name -> (good values as typed, what each parses to), bad values
 CASES = {
     "KVCACHED_PAGE_SIZE_MB": ([("2", 2), (" 64 ", 64), ("1", 1), ("1024", 1024), ("+4", 4)],
-                              ["0", "-2", "1025", "2.0", "2M", "", "x", "1_0", "٣", "nan"]),
+                              ["0", "-2", "1025", "2.0", "2M", "", "x", "1_0", "٣", "nan", "9" * 5000]),
     "KVCACHED_MIN_RESERVED_PAGES": ([("0", 0), ("5", 5), ("10", 10)],
                                     ["-1", str((1 << 20) + 1), "1.5", "five", ""]),
     "KVCACHED_MAX_RESERVED_PAGES": ([("10", 10), ("20", 20), (str(1 << 20), 1 << 20)],
@@ -42,16 +46,18 @@ CASES = {
     "KVCACHED_VLLM": ([("1", True), ("0", False), ("on", True)], ["maybe", "2"]),
     "KVCACHED_IPC_NAME": ([("serve", "serve"), (" a.b-c_1 ", "a.b-c_1"), ("é" * 100, "é" * 100)],
                           ["", "  ", "a/b", ".", "..", "a\nb", "a\x7fb", "x" * 201, "é" * 101,
-                           "bad\udcffutf8"]),
-    "KVCACHED_GLOBAL_BUDGET": ([("gpu0", "gpu0")], ["", "a/b", "bad\udcff", "y" * 201]),
+                           "bad\udcffutf8", "a\x85b", "a\u00a0b", "a\u2028b"]),
+    "KVCACHED_GLOBAL_BUDGET": ([("gpu0", "gpu0")], ["", "a/b", "bad\udcff", "y" * 201, "a\x85b"]),
     "KVCACHED_GLOBAL_BUDGET_BYTES": ([("4096", 4096), ("512M", 512 << 20), ("1.5G", 3 << 29), ("0", 0),
                                       ("4096.0", 4096)],
-                                     ["-1G", "10%", "1.5X", "G", "", "0.5", "1.5 B"]),
+                                     ["-1G", "10%", "1.5X", "G", "", "0.5", "1.5 B", "9999999999P", "8E",
+                                      str(1 << 63), "9" * 5000]),
     "KVCACHED_GLOBAL_BUDGET_POLICY": ([("fair", "fair"), (" First_Come ", "first_come")],
                                       ["", "fifo", "first-come", "1"]),
     "KVCACHED_SHARE_WEIGHT": ([("1", 1.0), ("0.5", 0.5), ("3", 3.0), ("0.001", 0.001), ("1e6", 1e6)],
                               ["0", "-1", "0.0001", "1e7", "nan", "inf", "heavy", ""]),
-    "KVCACHED_SHARE_MIN": ([("0", 0), ("512M", 512 << 20), ("4096", 4096)], ["-1", "10%", "", "0.5"]),
+    "KVCACHED_SHARE_MIN": ([("0", 0), ("512M", 512 << 20), ("4096", 4096), (str(I64_MAX), I64_MAX)],
+                           ["-1", "10%", "", "0.5", "9999999999P", str(1 << 63), "9" * 5000]),
     "KVCACHED_LOG_LEVEL": ([("debug", "DEBUG"), ("INFO", "INFO"), (" warning ", "WARNING"),
                             ("critical", "CRITICAL")],
                            ["", "verbose", "WARN", "10"]),
@@ -96,12 +102,16 @@ def test_good_values(env, name):
         env.setenv(name, text)
         if name == "KVCACHED_MIN_RESERVED_PAGES":
             env.setenv("KVCACHED_MAX_RESERVED_PAGES", str(1 << 20))
+        if name in config.BUDGET_SETTINGS:
+            env.setenv("KVCACHED_GLOBAL_BUDGET", "gpu0")        # without it they are ignored (and warn)
         got = getattr(config.reload_settings(), FIELDS[name])
         assert got == expected and type(got) is type(expected), (name, text, got)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_values_name_the_setting(env, name):
+    if name in config.BUDGET_SETTINGS:
+        env.setenv("KVCACHED_GLOBAL_BUDGET", "gpu0")
     good = config.reload_settings()
     for text in CASES[name][1]:
         env.setenv(name, text)
@@ -111,6 +121,34 @@ def test_bad_values_name_the_setting(env, name):
         assert name in message and "invalid" in message and "Default" in message, message
         env.delenv(name)
         assert config.reload_settings() == good
+
+
+def _budget_size(value: int) -> None:
+    as_int(value, "budget_bytes", minimum=0, maximum=I64_MAX)       # as the budget checks its sizes
+
+
+# How the settings' users check a value the table took: each raises for one it refuses (Note
+# [Errors name the variable] in kvcached.config).
+USERS = {"KVCACHED_IPC_NAME": validate_name, "KVCACHED_GLOBAL_BUDGET": validate_name,
+         "KVCACHED_GLOBAL_BUDGET_BYTES": _budget_size, "KVCACHED_SHARE_MIN": _budget_size,
+         "KVCACHED_SHARE_WEIGHT": check_weight}
+SIZE_TEXT = st.from_regex(r"\s?[+-]?[0-9]{1,30}(\.[0-9]{0,4})?\s?([KMGTPkmgtpEe](i?[Bb])?|[Bb%])?", fullmatch=True)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@settings(max_examples=60, deadline=None)
+@given(text=st.one_of(st.text(max_size=30), SIZE_TEXT, st.sampled_from(["9999999999P", "9" * 5000, "1e999"])))
+def test_every_value_is_taken_or_refused_naming_the_variable(name, text):
+    """Whatever a variable holds, reading the settings takes it, and then its users accept it, or
+    raises KVCachedConfigError naming the variable: 9999999999P was taken and later refused as
+    "budget_bytes=11258999067300340093157376 ...", naming none."""
+    try:
+        value = getattr(config._read({name: text}), FIELDS[name])
+    except KVCachedConfigError as exc:
+        assert name in str(exc), str(exc)
+        return
+    if name in USERS and value is not None:
+        USERS[name](value)
 
 
 def test_invalid_utf8_from_the_real_environment(env):
@@ -245,6 +283,24 @@ def test_misspelled_variables_warn_once_each_naming_the_setting_meant():
                               ("KVCACHED_PAGE_SIZE", "KVCACHED_PAGE_SIZE_MB")], result.stderr
 
 
+def test_budget_settings_without_a_budget_warn_once_naming_them_and_the_fix():
+    """They were ignored without a word: KVCACHED_SHARE_WEIGHT=3 without KVCACHED_GLOBAL_BUDGET."""
+    result = _settings_in_a_fresh_process(KVCACHED_GLOBAL_BUDGET_BYTES="9G", KVCACHED_SHARE_WEIGHT="3",
+                                          KVCACHED_SHARE_MIN="1G")
+    assert result.returncode == 0, result.stderr
+    warned = re.findall(r"IgnoredSettingWarning: (.*)", result.stderr)
+    assert warned == ["KVCACHED_GLOBAL_BUDGET_BYTES, KVCACHED_SHARE_WEIGHT, KVCACHED_SHARE_MIN are set, but "
+                      "KVCACHED_GLOBAL_BUDGET is not: this instance shares no global budget and ignores them. Set "
+                      "KVCACHED_GLOBAL_BUDGET to the name of the budget the instances share, or unset them."], \
+        result.stderr
+
+
+@pytest.mark.parametrize("environ", [{"KVCACHED_SHARE_WEIGHT": "3", "KVCACHED_GLOBAL_BUDGET": "gpu0"},
+                                     {"KVCACHED_GLOBAL_BUDGET": "gpu0"}, {}])
+def test_budget_settings_warn_nothing_with_a_budget_or_unset(environ):
+    assert config.ignored_settings(environ) == []
+
+
 def test_known_variables_warn_nothing():
     result = _settings_in_a_fresh_process(**{"KVCACHED_LAYOUT": "auto", "KVCACHED_VLLM_POOL": "stock"})
     assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr
@@ -253,12 +309,13 @@ def test_known_variables_warn_nothing():
 def test_the_project_sets_no_unknown_variable():
     """Tests, benchmarks, scripts, CI and the README name only settings or NOT_SETTINGS, so that
     none of them warns (``KVCACHED_MIN/MAX_...`` in prose is two settings; this file names
-    misspellings on purpose)."""
+    misspellings on purpose; benchmarks/HISTORY.md keeps past rounds verbatim, with the names of
+    their time)."""
     token = re.compile(r"KVCACHED_[A-Z0-9_]*[A-Z0-9](?![A-Z0-9_/])")
     paths = [REPO / "README.md", REPO / "pyproject.toml"]
     for folder in ("tests", "benchmarks", "scripts", ".ci", "kvcached/demo"):
         paths += [p for p in (REPO / folder).rglob("*") if p.is_file() and p.suffix in (
             ".py", ".sh", ".md", ".toml", ".txt", "")]
-    found = {(name, str(p.relative_to(REPO))) for p in paths if p.name != "test_config.py"
+    found = {(name, str(p.relative_to(REPO))) for p in paths if p.name not in ("test_config.py", "HISTORY.md")
              for name in token.findall(p.read_text(errors="replace"))}
     assert {(name, where) for name, where in found if name not in KNOWN | config.NOT_SETTINGS} == set()

@@ -157,8 +157,8 @@ cdef int check_bookkeeping_fits(int64_t needed, int64_t total, int64_t max_block
 
 # Note [Block id objects]
 # alloc returns a list of Python ints, and above 256 each new int is a heap object: making and
-# later destroying them cost ~15 ns each, 4 of the ~6.5 us of alloc(256)+free on the CPU machine,
-# more than all the bookkeeping. So the allocator keeps one int object per block id below
+# later destroying them cost ~15 ns each, about 60 % of alloc(256)+free's time, more than all the
+# bookkeeping (benchmarks/HISTORY.md). So the allocator keeps one int object per block id below
 # ID_CACHE_MAX, made the first time the id is handed out, and hands out new references to it:
 # ints are immutable, so sharing them is invisible to callers (only `is` could tell). The table
 # is calloc'ed (untouched parts cost no memory); what is used costs 8 bytes of pointer and one
@@ -167,9 +167,10 @@ cdef int check_bookkeeping_fits(int64_t needed, int64_t total, int64_t max_block
 # the GIL held (alloc builds its list with it), so no lock is needed.
 # The entries of every id a page can hand out are written once at construction, so that the
 # memory behind them is faulted in then: a page fault in alloc waits behind the refill thread's
-# driver calls, which hold the process's address-space lock (on the H200, every 4th alloc(16)
-# of the page-grouped ramp took 10-25 µs, its ids being 4096 apart, one fresh OS page per page
-# id). Sparse ids touch one OS page per page id below ID_CACHE_MAX (at most 4 MiB).
+# driver calls, which hold the process's address-space lock (every 4th alloc(16) of the
+# page-grouped ramp took tens of times its median, its ids being 4096 apart, one fresh OS page
+# per page id; benchmarks/HISTORY.md). Sparse ids touch one OS page per page id below
+# ID_CACHE_MAX (at most 4 MiB).
 #
 # Note [Bookkeeping memory]
 # The allocator's host memory is its arrays: per block id one state byte (max_block_id of them,

@@ -932,6 +932,6 @@ cdef dict _stats(PageAllocator pa):
 # take's overflow) do: a kernel queued before the free may still be reading them. _pool_out
 # records one fence as they leave, which covers the work queued before every free of them, and
 # queues them in the same ring; the pool's fast path records nothing. Before, the pool was
-# unmapped at once, and on the H200 a side-stream kernel reading a freed block faulted after
+# unmapped at once, and on CUDA a side-stream kernel reading a freed block faulted after
 # free -> set_memory_limit(0). A tensor-parallel follower waits for its own device's fence before
 # it unmaps (Backend.wait_for_stream): rank 0's fence covers only rank 0's device.

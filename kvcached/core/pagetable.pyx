@@ -658,8 +658,8 @@ cdef class PageTable:
 #
 # Note [Page table validation]
 # PageTable.map/unmap are the Python surface (tests, benchmarks, tools; the allocators call the
-# nogil map_pages directly). Their numpy check of the ids (asarray, unique, astype) costs ~10 us,
-# a quarter of a compound page map on the H200 (~45 us), so a list or tuple of up to _SMALL_IDS
+# nogil map_pages directly). Their numpy check of the ids (asarray, unique, astype) costs about a
+# quarter of a compound page map (benchmarks/HISTORY.md), so a list or tuple of up to _SMALL_IDS
 # exact ints is checked in a C loop instead, with the same errors in the same order (range, then
 # duplicates, then mapped state). Anything else (arrays, numpy ints, bools, floats) takes the numpy
 # path, which is what decides how those are accepted or refused.

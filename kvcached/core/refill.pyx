@@ -301,21 +301,22 @@ cdef class RefillPolicy:
 # Note [Background thread]
 # The thread sleeps on a condition variable, woken when a take leaves the pool under
 # refill_target — the pool fast path and the slow path alike (a slow take empties the pool; not
-# waking there left the pool empty for half a period, 50 ms median on the H200, while every alloc
-# mapped pages itself) — on returns that queue pending pages, and on limit / resize / pool bounds
-# / stop; otherwise it wakes after 100 ms, or 10 ms while unmaps are pending or waiting for a retry
-# (Note [Failed unmap]). It never spins: with nothing to map it always sleeps. Each round: drain
-# done fences and retry failed unmaps; if idle_trim_s passed with no take/return, unmap the pool
-# and release cached handles (and do not refill until the next activity); otherwise refill the
-# pool towards refill_target (Note [Proactive refill]) — ids taken from the free set under `lock`,
-# mapped with only map_lock held, and pooled under `lock` again, keeping only what the limit and
-# max_reserved still allow. It refreshes the free-physical-memory figure at most every 5 ms, so
-# available_pages() never calls the driver. After a failed refill it sleeps one full period
-# before trying again. Tests wait on its counters (num_bg_rounds, num_refill_failures).
+# waking there left the pool empty for half a period (median) while every alloc mapped pages
+# itself; benchmarks/HISTORY.md) — on returns that queue pending pages, and on limit / resize /
+# pool bounds / stop; otherwise it wakes after 100 ms, or 10 ms while unmaps are pending or waiting
+# for a retry (Note [Failed unmap]). It never spins: with nothing to map it always sleeps. Each
+# round: drain done fences and retry failed unmaps; if idle_trim_s passed with no take/return,
+# unmap the pool and release cached handles (and do not refill until the next activity); otherwise
+# refill the pool towards refill_target (Note [Proactive refill]) — ids taken from the free set
+# under `lock`, mapped with only map_lock held, and pooled under `lock` again, keeping only what
+# the limit and max_reserved still allow. It refreshes the free-physical-memory figure at most
+# every 5 ms, so available_pages() never calls the driver. After a failed refill it sleeps one full
+# period before trying again. Tests wait on its counters (num_bg_rounds, num_refill_failures).
 #
 # Note [Proactive refill]
-# A caller that finds the pool short pays for a mapping (30 us on the H200 for one compound page,
-# 64x that per_layer), so the background thread works to keep that rare:
+# A caller that finds the pool short pays for a mapping (for one compound page ~100x an alloc
+# from the pool, and per_layer 60-70x more again; benchmarks/README.md, bench_manager and
+# bench_vmm), so the background thread works to keep that rare:
 #  - It refills towards `refill_target`, not just min_reserved: a round that saw callers go short
 #    (a slow take or a wait) raises the target by the pages taken during the round, up to
 #    max_reserved, so under sustained growth the stock covers what is consumed while one round

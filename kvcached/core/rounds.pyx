@@ -423,8 +423,8 @@ cdef class RoundSegment:
 # Note [Round segment]
 # ~~~~~~~~~~~~~~~~~~~~
 # Between processes of one host a round trip through a pair of process-shared POSIX semaphores
-# (a futex each) costs 2-3 us on the 2-core CPU machine, against 57-123 us for gloo's send and
-# receive (four thread wake-ups a round trip), so the ranks of one host exchange their rounds in
+# (a futex each) costs a twentieth to a fiftieth of gloo's send and receive (four thread wake-ups
+# a round trip; benchmarks/HISTORY.md), so the ranks of one host exchange their rounds in
 # shared memory: rank 0 writes the request (op, seq, table id, page ids, args) into the segment's
 # one request area, then posts the request semaphore of every rank it concerns; each rank waits
 # on its own semaphore, applies the request and writes its reply (seq, status, count, args, and
@@ -441,19 +441,19 @@ cdef class RoundSegment:
 # without the GIL; a reply that is OK with nothing to read needs no Python object); a serving
 # rank's serve() applies a map or unmap and answers it without returning to Python. A wait
 # first tries sem_trywait (a reply already posted costs no clock read and no futex call), then
-# sleeps on the semaphore. Polling instead of sleeping was measured and rejected: on the 2-core
-# CPU machine (load 4-6) polling a reply for up to 30 us before sleeping raised the empty round
-# trip from 10 to 16 us (p50) and its p99 from 20-40 to 80-95 us; letting both sides poll for
-# 20 us made it 56 us and 100 us made it 220 us (p99 in milliseconds): the poller takes the core
-# the other side needs. Note [Polling before sleeping] says when it pays.
+# sleeps on the semaphore. Polling instead of sleeping was measured and rejected: on a loaded
+# 2-core host polling a reply for up to 30 us before sleeping made the empty round trip 1.6 x as
+# long (p50) and its p99 2-5 x; letting both sides poll for 20 or 100 us made the p50 6-22 x as
+# long and the p99 milliseconds (benchmarks/HISTORY.md): the poller takes the core the other side
+# needs. Note [Polling before sleeping] says when it pays.
 #
 # Note [Polling before sleeping]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # On a host with idle cores the opposite holds: there a sleeping waiter's core drops into a deep
-# idle state, and waking it through the futex took most of an empty round trip of 30-33 us (p50)
-# on the H200 machine's 16 cores, three times the loaded 2-core machine's. So a wait may poll the
-# semaphore for spin_ns first (sem_trywait between bursts of pause instructions, without the GIL,
-# never past its timeout) and sleep only if nothing came: a rank that just answered a round is
+# idle state, and waking it through the futex took most of an empty round trip on an idle
+# 16-core host, three times the loaded 2-core host's (benchmarks/HISTORY.md). So a wait may poll
+# the semaphore for spin_ns first (sem_trywait between bursts of pause instructions, without the
+# GIL, never past its timeout) and sleep only if nothing came: a rank that just answered a round is
 # then still polling when the next one comes, as during an allocation burst. The spin is set per
 # segment from KVCACHED_TP_SPIN_US (kvcached.tp.shm): by default only where this process may run
 # on at least 4 CPUs, so that the poller never takes the core the other side needs.

@@ -797,12 +797,12 @@ cdef class CudaBackend(Backend):
 
 
 # Note [Handle cache]
-# cuMemCreate costs 9-12 us and cuMemRelease 11-34 us on the H200, while map + set-access is the
-# floor of re-mapping (~30 us). Keeping up to `cache_capacity` released handles (default 8) and
-# handing them out again to the next mapping of the same size takes create/release off the path
-# of a page that is unmapped and soon mapped again. Cached handles still hold device memory:
-# `cached_bytes` counts them, and `release_cached_above(keep)` gives them back (trim, idle trim,
-# a smaller capacity, shutdown, and the undo of a failed map, which keeps the count it saw
+# cuMemCreate and cuMemRelease together cost about as much as map + set-access, the floor of
+# re-mapping (benchmarks/README.md, bench_vmm). Keeping up to `cache_capacity` released handles
+# (default 8) and handing them out again to the next mapping of the same size takes create/release
+# off the path of a page that is unmapped and soon mapped again. Cached handles still hold device
+# memory: `cached_bytes` counts them, and `release_cached_above(keep)` gives them back (trim, idle
+# trim, a smaller capacity, shutdown, and the undo of a failed map, which keeps the count it saw
 # before the map so that the handles the map created are released again). It is the only code
 # that takes handles off the cache in bulk; layers above call it and never touch the arrays.
 # A reused handle holds whatever its last user wrote; kvcached never promised zeroed blocks.

@@ -297,12 +297,12 @@ def _prefill(query, k_cache, v_cache, block_tables, seq_lens, starts, scale, win
 # The prefill kernel takes decode rows too (one launch for any batch), but it gives each a q-tile
 # of its own: BLOCK_M = 128 rows of which a GQA group of 4 are used, 8 warps and 96 KiB of shared
 # memory per program, so one program per multiprocessor streams the row's K/V through dots 32
-# times taller than needed. On the H200 (Llama-3-8B shapes, 64 decoding requests of ~520 tokens
-# beside a 512-token chunk) the prefill kernel took 3.4 ms of a 17.1 ms step over 32 layers, where
-# the decode kernel reads the same 64 rows in 1.6 ms. A scheduler knows which requests decode and
-# puts them first (ServingLoop does: running requests are scheduled oldest first, and a request
-# that has its first token is older than the ones still prefilling), so it passes their count,
-# a host integer, and the step costs two launches instead of one: the decode kernel over the
+# times taller than needed. With Llama-3-8B shapes (64 decoding requests of ~520 tokens beside a
+# 512-token chunk) the prefill kernel took a fifth of such a step's device time, twice what the
+# decode kernel needs for the same rows (benchmarks/HISTORY.md). A scheduler knows which requests
+# decode and puts them first (ServingLoop does: running requests are scheduled oldest first, and
+# a request that has its first token is older than the ones still prefilling), so it passes their
+# count, a host integer, and the step costs two launches instead of one: the decode kernel over the
 # leading rows, the prefill kernel over the rest (its request starts offset by num_decodes, so
 # query_start_loc is never rewritten), both writing into one output tensor.
 #

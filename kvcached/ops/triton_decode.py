@@ -243,11 +243,11 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # Note [Decode kernel shape]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~
 # Decode attention reads every cached K/V byte once and does ~2 FLOP per byte: it is bound by
-# memory bandwidth, and the kernel's only job is to keep enough loads in flight. A probe on the
-# H200 reached 4.24 TB/s, 98% of the copy rate, with this shape: one program
-# per (sequence, KV head), so each K/V byte is read by exactly one program and the GQA group's
-# queries share it; the group padded to 16 rows so that q.K^T and p.V are tensor-core dots (a
-# group of 1-8 rows would otherwise be a reduction over registers); BLOCK_N = 64 tokens per step
+# memory bandwidth, and the kernel's only job is to keep enough loads in flight. With this shape
+# it reads K/V at the copy rate (benchmarks/README.md, bench_layout): one program per (sequence,
+# KV head), so each K/V byte is read by exactly one program and the GQA group's queries share
+# it; the group padded to 16 rows so that q.K^T and p.V are tensor-core dots (a group of 1-8
+# rows would otherwise be a reduction over registers); BLOCK_N = 64 tokens per step
 # (4 blocks of 16) and 3 pipeline stages, so ~2 steps of loads are in flight while one computes
 # (or 2 stages where that fills the last wave better: Note [Pipeline stages]).
 # Every token looks its block up in the table (BLOCK_N loads of the table's int32 or int64, served
@@ -259,26 +259,26 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # sequence is split into up to MAX_SPLITS ranges whose partial softmax states (m, l, acc) a
 # second small kernel combines; the split count is taken from the shapes on the host, never from
 # seq_lens (reading them would stall the stream). Splitting pays only below ~2 programs per
-# multiprocessor. H200, 2026-11-30, 8 KV heads x 128, bf16, 1024 tokens, GB/s of K/V read
-# (copy rate 4264): 16 sequences 1834 unsplit, 2602 with 3 splits, 2620 with 4; 64 sequences
-# 3949 unsplit, 3628 with 2, 3282 with 4; 500 sequences 4329 unsplit, 4056 with 2.
+# multiprocessor: with 8 KV heads x 128 and 1024 tokens, at 16 sequences 3-4 splits read K/V
+# 1.4 x as fast as one; at 64 and 500 sequences splitting was 6-17 % slower
+# (benchmarks/HISTORY.md).
 #
 # Note [Pipeline stages]
 # ~~~~~~~~~~~~~~~~~~~~~~~
 # The kernel's programs all stream about the same bytes, so a launch runs in waves of as many
 # programs as the multiprocessors hold at once, and a last wave that is partly empty leaves HBM
-# idle. How many a multiprocessor holds follows the pipeline's depth: on the H200 (Llama-3-8B
-# shapes, bf16) 3 stages take 136 registers a thread, 3 programs per multiprocessor, and 2 stages
-# 126, 4 programs; shared memory (39 KiB a program) is not what binds. Neither depth wins
-# everywhere: the deeper one keeps more loads in flight per program, the shallower one more
+# idle. How many a multiprocessor holds follows the pipeline's depth: with Llama-3-8B shapes in
+# bf16, compiled for sm_90, 3 stages take 136 registers a thread, 3 programs per multiprocessor,
+# and 2 stages 126, 4 programs; shared memory (39 KiB a program) is not what binds. Neither depth
+# wins everywhere: the deeper one keeps more loads in flight per program, the shallower one more
 # programs. Which last wave is fuller decides, within a few percent, at every batch measured
-# (H200, 2026-12-03, 16-320 sequences of 528 and 1024 tokens, equal and ragged lengths, one CUDA
-# graph of 20 launches each): 64 x 528 tokens, 512 programs, 4 a multiprocessor fill 0.97 of a
-# wave against 3 filling 1.29 waves, and 2 stages take 0.82 x the time of 3; 88 x 528 (704
-# programs: 1.33 waves against 1.78) 2 stages take 1.11 x. So each launch picks the depth whose
-# last wave is fullest, from the programs per multiprocessor of each variant as compiled (its
-# registers, shared memory and threads), learned once per variant; a variant is compiled for
-# each depth the first time its shapes are met. The two depths compute the same sums in the same
+# (16-320 sequences of 528 and 1024 tokens, equal and ragged lengths; benchmarks/HISTORY.md):
+# 64 x 528 tokens, 512 programs, 4 a multiprocessor fill 0.97 of a wave against 3 filling 1.29
+# waves, and 2 stages take 0.82 x the time of 3; 88 x 528 (704 programs: 1.33 waves against
+# 1.78) 2 stages take 1.11 x. So each launch picks the depth whose last wave is fullest, from the
+# programs per multiprocessor of each variant as compiled (its registers, shared memory and
+# threads), learned once per variant; a variant is compiled for each depth the first time its
+# shapes are met. The two depths compute the same sums in the same
 # order: the outputs are bit for bit equal.
 #
 # Note [Program order]
@@ -286,12 +286,10 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # The grid is one axis of (sequence, KV head) pairs with the head varying fastest, so the
 # programs that run at the same time are the KV heads of a few sequences: together they read
 # whole token rows of the same blocks (NHD: a token's heads are adjacent) instead of one head's
-# slice of many sequences' blocks. Same-run A/B on the H200 (Llama-3-8B shapes, bf16, 20 launches
-# in a CUDA graph, outputs bit for bit equal): 1.3-2.7 % less time at 64-500 sequences of 528-1056
-# tokens (batch 256 x 528 on the interleaved layout's block stride: 157.7 -> 153.5 us), and no
-# change beyond noise on the split path (16 x 2048: 46.6 -> 46.9 us). Both are folded into the
-# first axis rather than the sequences put on the second, which stops at 65,535: any batch
-# launches.
+# slice of many sequences' blocks. A same-run A/B (Llama-3-8B shapes, bf16, outputs bit for bit
+# equal) gave 1.3-2.7 % less time at 64-500 sequences of 528-1056 tokens and no change on the
+# split path (benchmarks/HISTORY.md). Both are folded into the first axis rather than the
+# sequences put on the second, which stops at 65,535: any batch launches.
 #
 # Note [One compile per model]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -299,15 +297,15 @@ def paged_decode_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 # anything else) unless told not to. The arguments that change from step to step in a serving
 # loop (the number of requests, the block tables' row stride, the window, which layers of one
 # model differ in) are marked do_not_specialize: otherwise a batch that first reaches 16
-# requests, or a table that first grows to 16 columns, stalls its step for a compile (a second or
-# more on an H200). So are the pointers to the step's metadata (block tables, sequence lengths,
-# query starts, slot mapping), whose 16-byte alignment Triton specialises on too: a loop packs
-# them into one int64 tensor and a mixed step slices them past its decode rows, so their
-# alignment follows the parity of the step's token and decode counts. The end-to-end run
-# (256 x (512 + 256), H200) met two such new classes of the prefill kernel after its warm-up,
-# 1.2 and 1.4 s each. Those loads are scalar or gathered anyway. The strides of the caches and
-# tokens stay specialised: they are fixed per model and their divisibility is what lets the
-# loads vectorise. The decode kernel's split count is a constexpr (it sizes the combine's
+# requests, or a table that first grows to 16 columns, stalls its step for a compile. So are the
+# pointers to the step's metadata (block tables, sequence lengths, query starts, slot mapping),
+# whose 16-byte alignment Triton specialises on too: a loop packs them into one int64 tensor and
+# a mixed step slices them past its decode rows, so their alignment follows the parity of the
+# step's token and decode counts. The end-to-end run (256 x (512 + 256)) met two such new
+# classes of the prefill kernel after its warm-up, and a step stalled for over a second per new
+# class (benchmarks/HISTORY.md). Those loads are scalar or gathered anyway. The strides of the
+# caches and tokens stay specialised: they are fixed per model and their divisibility is what lets
+# the loads vectorise. The decode kernel's split count is a constexpr (it sizes the combine's
 # arange), and it follows the number of decode rows: the decode rows of an eager mixed step
 # could ask for any value from 1 to MAX_SPLITS, each a compile the first time a process met it. It is
 # rounded down to a power of two, so there are five (1, 2, 4, 8, 16); with Llama-3-8B shapes on

@@ -256,12 +256,13 @@ def paged_prefill_triton(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 #
 # Tiles (all dims multiples of 16 for tl.dot), checked by compiling for sm_90 with this Triton
 # (3.6) and reading shared memory and registers from the cubin:
-#   fp16/bf16, D 128:    BLOCK_M 128, BLOCK_N 32, 4 warps, 3 stages. Timed on the H200
-#                        (2026-12-03, bf16, 32 heads over 8 KV heads, one CUDA graph of 20
-#                        launches, 36 tile sets): 16 prompts of 512 tokens 170 us against 207 with
-#                        the row below (SDPA's flash backend on dense copies: 183), 8 of 2048
-#                        tokens 885 against 968 (SDPA 946). Fewer warps and smaller K/V steps let
-#                        more programs share a multiprocessor, which short prompts' few KV steps need.
+#   fp16/bf16, D 128:    BLOCK_M 128, BLOCK_N 32, 4 warps, 3 stages, chosen from 36 tile
+#                        sets (bf16, 32 heads over 8 KV heads): 16 prompts of 512 tokens and 8
+#                        of 2048 take 0.82 x and 0.91 x the time of the row below's 128 x 64, 8
+#                        warps, and 0.93-0.94 x that of SDPA's flash backend on dense copies
+#                        (benchmarks/README.md, bench_attention; the sweep in
+#                        benchmarks/HISTORY.md). Fewer warps and smaller K/V steps let more
+#                        programs share a multiprocessor, which short prompts' few KV steps need.
 #   fp16/bf16, D <= 64:  BLOCK_M 128, BLOCK_N 64, 8 warps, 3 stages: 132 registers, wgmma, no
 #                        spills (Triton's flash-attention tutorial's Hopper setting; not timed)
 #   fp16/bf16, D 256:    BLOCK_M 64, BLOCK_N 32, 8 warps, 2 stages: 96 KiB, 172 registers

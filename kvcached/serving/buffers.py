@@ -171,16 +171,17 @@ class StepBuffers:
 # rows, up to the column of the batch's longest request: the columns past it keep what an
 # earlier step left in the staging (block ids of then, or the pad block), which no kernel reads
 # (Note [Block table contract] in kvcached.ops.attention: a row is read up to its sequence
-# length). At width 512 and batch 256 the full gather alone cost 0.3 ms of host time. The table
-# width is the loop's (ceil(max_tokens / block_size)), so a step's layout depends only on its
-# sizes, and a padded decode step of a given lane count always has its
-# fields at the same addresses of the device buffer: the CUDA graphs of kvcached.serving.graphs
-# read them there.
+# length). At width 512 and batch 256 the full gather alone cost host time of ~2 % of a decode
+# step (benchmarks/HISTORY.md). The table width is the loop's (ceil(max_tokens / block_size)), so
+# a step's layout depends only on its sizes, and a padded decode step of a given lane count
+# always has its fields at the same addresses of the device buffer: the CUDA graphs of
+# kvcached.serving.graphs read them there.
 #
 # A StepPlan is only views of the device buffer, and the staging's fields are views of the
 # staging: both depend on the step's sizes alone, which a run of decode steps repeats (the same
 # requests, one token each), so the last sizes' views and plan are kept and handed out again
-# (slicing seven numpy views and two tensors cost ~35 us of a batch-256 step's host time).
+# (slicing seven numpy views and two tensors cost about a tenth of a batch-256 step's host time
+# outside the model call; benchmarks/HISTORY.md).
 #
 # Sync points. The staging is pinned, so its copy to the device is asynchronous: the host packs
 # the next step only after an event recorded behind that copy (normally long done: the commit

@@ -1,8 +1,8 @@
 """Per-row numpy mirror of the running requests' counters, so a step's bookkeeping is vectorised.
 
 Scheduling, packing and committing a decode step by walking the running Request objects cost
-about 1 ms of host time per step at batch 256 (a few attribute reads and a generator step per
-request, several times over), a tenth of an H200's decode step. The loop keeps what those walks
+host time of about a tenth of a batch-256 decode step (a few attribute reads and a generator step
+per request, several times over; benchmarks/HISTORY.md). The loop keeps what those walks
 read (cached count, token count, block capacity, end, last token) in arrays indexed by the
 request's block-table row (kvcached.serving.buffers), written where the Request changes; a step
 then gathers them with the batch's rows. See Note [Row counters].

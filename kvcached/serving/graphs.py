@@ -1,11 +1,11 @@
 """Decode steps as CUDA graphs: one captured forward + argmax per padded batch size.
 
-A decode step of Llama-3-8B at batch 64 costs about 45 ms of host time in eager mode (Python in
-transformers' model code and one launch per op), ten times the device's. Replaying a captured
-graph costs one launch. A decode-only step (every scheduled request has one new token) is padded
-to the next bucket (1, 2, 4, 8, then steps of 8 up to max_running, as vLLM and SGLang do), its
-inputs packed by kvcached.serving.buffers at the fixed addresses of that bucket, and the bucket's
-graph replayed. Without CUDA the same runner calls the model eagerly over the same padded
+A decode step of Llama-3-8B in eager mode spends about ten times the device's time on the host
+(Python in transformers' model code and one launch per op; benchmarks/HISTORY.md). Replaying a
+captured graph costs one launch. A decode-only step (every scheduled request has one new token) is
+padded to the next bucket (1, 2, 4, 8, then steps of 8 up to max_running, as vLLM and SGLang do),
+its inputs packed by kvcached.serving.buffers at the fixed addresses of that bucket, and the
+bucket's graph replayed. Without CUDA the same runner calls the model eagerly over the same padded
 buffers, so that CPU tests check the padding, the lanes and the pad block. See Note [Decode
 graphs].
 """

@@ -145,11 +145,11 @@ def shard_model(model, rank: int, world_size: int, group=None, *, reduce_dtype: 
 # early (bench_serve_tp counts the requests that kept TP=1's tokens). reduce_dtype=float32 keeps
 # the partials and their sum in float32 and rounds once, as TP=1 does; what still differs is the
 # order of float32 additions and the GEMM tiling of the narrower column-split matrices. On two
-# H200s, Llama-3-8B shapes with random weights (initializer_range 0.02, nearly flat logits), 32
-# requests of 128 + 64 tokens: float32 kept TP=1's tokens in 16 of 16 requests; bfloat16 in 0 of
-# 32, the first differing token at a median position of 4.5 with bfloat16 sums and 9.5 with
-# float32 sums; the tiny preset (sharper logits) in bfloat16 kept them in 5 of 32 requests of
-# 64 + 64 tokens. So float32 is what the identity tests run; bfloat16 agrees only up to ties.
+# GPUs, Llama-3-8B shapes with random weights (initializer_range 0.02, nearly flat logits):
+# float32 kept TP=1's tokens in every request; bfloat16 in none, the first differing token at a
+# median position under 10 with bfloat16 or float32 sums; the tiny preset (sharper logits) in
+# bfloat16 kept them in about one request of six (benchmarks/HISTORY.md). So float32 is what the
+# identity tests run; bfloat16 agrees only up to ties.
 #
 # transformers' own tensor-parallel plan is applied by ``from_pretrained`` while it loads a
 # checkpoint (``tp_plan=`` until 5.17, ``distributed_config=`` from 5.18): a model built from a

@@ -317,11 +317,12 @@ class Channel(LinkBase):
 # its first request). Waits are in the calling thread (a receiver thread adds a wake-up per
 # message) and never spin: gloo's work objects report is_completed() only after wait(), so
 # polling can only watch the buffer, and a polling rank kept the transport thread that must
-# deliver its message off the CPU. The figure that decides: an empty request's round trip is
-# 75-140 us on a 2-core host however the receives are placed (~110 us on 2xH200, the whole of
-# a TP map's extra cost); gloo's floor is four thread wake-ups a round trip, each side's
-# transport thread, then the waiting thread. The placements and transports measured are in
-# benchmarks/README.md (bench_tp, where the round trip goes).
+# deliver its message off the CPU. The figure that decides: an empty request's round trip took
+# about as long however the receives were placed (on two GPUs three times a map's own time, the
+# whole of a TP map's extra cost); gloo's floor is four thread wake-ups a round trip, each side's
+# transport thread, then the waiting thread. The placements measured are in benchmarks/HISTORY.md
+# (bench_tp, where the round trip goes); the transports' current figures in benchmarks/README.md
+# (bench_tp).
 #
 # Note [Gloo timeouts]
 # Gloo applies the group's timeout to every wait without an explicit one, and a wait that times

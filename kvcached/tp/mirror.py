@@ -291,9 +291,9 @@ class TableMirror:
 # sum of the ranks. Over shared memory a map or unmap is a lean round (TableMirror._start): the
 # request is posted and every reply gathered in one call each, and no object is made per peer
 # unless one did not answer OK at once (the general _collect then takes over, the round's
-# deadline counting from there); measured in one process on the 2-core CPU machine (the reply
-# posted by the same thread, so no wake-up in it), the leader's cost of a round went from ~3.6
-# to ~2.1 us, which a TP map pays on top of the round trip.
+# deadline counting from there); measured in one process (the reply posted by the same thread,
+# so no wake-up in it), the leader's cost of a round, which a TP map pays on top of the round
+# trip, fell by ~40 % (benchmarks/HISTORY.md).
 # All or nothing: if any rank (this one included) was out of memory, the peers that mapped get a
 # second round, UNMAP of the same ids, before map_finish returns False, and the table undoes its
 # own map; the allocator then sees out of memory and alloc returns None with every rank as

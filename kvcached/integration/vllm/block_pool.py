@@ -614,7 +614,8 @@ def _distinct(blocks: list[KVCacheBlock]) -> Iterable[KVCacheBlock]:
 # so its page never empties), kept at every 0 <-> 1 change of a ref_cnt, after vLLM's own method
 # made it: get_new_blocks (_hand_out), touch, free_blocks, unpin_blocks. A page whose count
 # falls to 0 in free_blocks is idle, and only its blocks are looked at. check_invariants recounts.
-# The measurements: benchmarks/README.md (bench_vllm_scheduler, the pool's history).
+# The measurements: benchmarks/README.md (bench_vllm_scheduler); the pool's earlier rounds:
+# benchmarks/HISTORY.md.
 #
 # Note [Claiming a block]
 # vLLM's touch() takes any free block as a prefix hit. Hits normally are cached blocks, which
@@ -663,8 +664,8 @@ def _distinct(blocks: list[KVCacheBlock]) -> Iterable[KVCacheBlock]:
 # followed by vLLM's free, after which they are plain free blocks at the front of the queue;
 # with a metrics collector that reuse samples them as allocated, as vLLM's own reuse does.
 # No field of vLLM's is written and no private method of it called. The cost against the
-# earlier pool that repeated vLLM 0.33's code inline (benchmarks/README.md, bench_vllm_scheduler,
-# 2026-12-02): CPU time of a 1200-step stream, best of 4, 0.97x stock's against 1.04x for the
+# earlier pool that repeated vLLM 0.33's code inline (benchmarks/README.md, bench_vllm_scheduler;
+# the rounds in benchmarks/HISTORY.md): CPU time of a stream 0.97x stock's against 1.04x for the
 # inlined pool; the wall-clock benchmark on the same (heavily loaded) machine gave 1.09-1.11x
 # against 1.05-1.10x, within its noise there. No inlined path is kept; if a quiet-machine run of
 # bench_vllm_scheduler shows the 5 % goal missed, the candidates are the fresh take in
