@@ -6,7 +6,12 @@ the result; ``reload_settings()`` reads it again (tests, or after ``shutdown_kvc
 A ``KVCACHED_*`` variable that is no setting (not in SETTINGS, nor in NOT_SETTINGS) is most likely
 a misspelling, which would otherwise be ignored without a word: reading the settings warns once
 per process per name, with ``warnings.warn(..., UnknownSettingWarning)``, naming the closest
-setting. See Note [Warning of unknown variables].
+setting. A setting of a global budget set without ``KVCACHED_GLOBAL_BUDGET`` has no effect, and
+warns likewise (``IgnoredSettingWarning``). See Note [Warning of unknown variables].
+
+Every value is checked here against what its users accept (a size against the int64 fields of
+the budget's segment, a name against what names a segment), so that every error of a setting
+names its variable; See Note [Errors name the variable].
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import KVCachedConfigError
+from .limits import I64_MAX
 from .sizes import SIZE_HELP, parse_size
 
 LAYOUTS = ("auto", "per_layer", "interleaved", "page_grouped")
@@ -41,7 +47,10 @@ def _int_in(lo: int, hi: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         if not _INT_RE.fullmatch(text):
             raise ValueError(f"must be a whole number in [{lo}, {hi}]")
-        value = int(text)
+        try:
+            value = int(text)
+        except ValueError:              # more digits than int() converts: far out of range
+            raise ValueError(f"must be in [{lo}, {hi}]") from None
         if not lo <= value <= hi:
             raise ValueError(f"must be in [{lo}, {hi}]")
         return value
@@ -95,7 +104,12 @@ def _bool(text: str) -> bool:
 
 
 def _size(text: str) -> int:
-    return parse_size(text)
+    """Bytes, at most I64_MAX: what the budget's segment stores sizes in."""
+    value = parse_size(text)
+    if value > I64_MAX:
+        raise ValueError(f"must be at most {I64_MAX} bytes (8 EiB - 1, what the budget's int64 fields hold), "
+                         f"not {value}")
+    return value
 
 
 def _weight(text: str) -> float:
@@ -117,10 +131,10 @@ def _name(text: str) -> str:
         encoded = value.encode()
     except UnicodeEncodeError:      # os.environ keeps undecodable bytes as lone surrogates
         raise ValueError("is not valid UTF-8; use letters, digits, '_', '-' or '.'") from None
-    if (not value or value in (".", "..") or "/" in value or any(ord(c) < 0x20 or c == "\x7f" for c in value)
+    if (not value or value in (".", "..") or "/" in value or not value.isprintable()
             or len(encoded) > MAX_NAME_BYTES):
         raise ValueError(f"must be a non-empty name of at most {MAX_NAME_BYTES} UTF-8 bytes, without '/' or "
-                         f"control characters; use letters, digits, '_', '-' or '.'")
+                         f"unprintable characters; use letters, digits, '_', '-' or '.'")
     return value
 
 
@@ -184,8 +198,17 @@ NOT_SETTINGS = frozenset({"KVCACHED_VLLM_POOL", "KVCACHED_VLLM_PAGE_BYTES", "KVC
 _NAMES = tuple(s.name for s in SETTINGS)
 
 
+# The settings of a global budget: without KVCACHED_GLOBAL_BUDGET there is none, and they do nothing.
+BUDGET_SETTINGS = ("KVCACHED_GLOBAL_BUDGET_BYTES", "KVCACHED_GLOBAL_BUDGET_POLICY", "KVCACHED_SHARE_WEIGHT",
+                   "KVCACHED_SHARE_MIN")
+
+
 class UnknownSettingWarning(UserWarning):
     """A KVCACHED_* environment variable that is no setting: kvcached ignores it."""
+
+
+class IgnoredSettingWarning(UserWarning):
+    """A setting that has no effect as the environment stands: kvcached ignores it."""
 
 
 def unknown_settings(environ: Mapping[str, str]) -> dict[str, str | None]:
@@ -204,12 +227,20 @@ def _closest(name: str) -> str | None:
     return f"KVCACHED_{match[0]}" if match else None
 
 
-_warned: set[str] = set()  # the unknown names this process has warned of
+def ignored_settings(environ: Mapping[str, str]) -> list[str]:
+    """The settings of ``environ`` that have no effect: those of BUDGET_SETTINGS while
+    KVCACHED_GLOBAL_BUDGET is not set. O(1)."""
+    if "KVCACHED_GLOBAL_BUDGET" in environ:
+        return []
+    return [name for name in BUDGET_SETTINGS if name in environ]
 
 
-def _warn_of_unknown(environ: Mapping[str, str]) -> None:
-    """One UnknownSettingWarning per unknown name and process. See Note [Warning of unknown
-    variables]."""
+_warned: set[str] = set()  # the unknown and ignored names this process has warned of
+
+
+def _warn_of_unused(environ: Mapping[str, str]) -> None:
+    """One UnknownSettingWarning per unknown name and process; one IgnoredSettingWarning naming
+    the ignored settings not warned of yet. See Note [Warning of unknown variables]."""
     for name, closest in unknown_settings(environ).items():
         if name in _warned:
             continue
@@ -218,6 +249,14 @@ def _warn_of_unknown(environ: Mapping[str, str]) -> None:
         warnings.warn(f"{name} is not a kvcached setting and is ignored; {hint} The settings are "
                       "the table in kvcached/config.py (README: Configuration).",
                       UnknownSettingWarning, stacklevel=3)
+    ignored = [name for name in ignored_settings(environ) if name not in _warned]
+    if ignored:
+        _warned.update(ignored)
+        one = len(ignored) == 1
+        them = "it" if one else "them"
+        warnings.warn(f"{', '.join(ignored)} {'is' if one else 'are'} set, but KVCACHED_GLOBAL_BUDGET is not: this "
+                      f"instance shares no global budget and ignores {them}. Set KVCACHED_GLOBAL_BUDGET to the name "
+                      f"of the budget the instances share, or unset {them}.", IgnoredSettingWarning, stacklevel=3)
 
 
 @dataclass(frozen=True)
@@ -273,7 +312,7 @@ def settings() -> Settings:
     global _cached
     if _cached is None:
         environ = dict(os.environ)
-        _warn_of_unknown(environ)
+        _warn_of_unused(environ)
         _cached = _read(environ)
     return _cached
 
@@ -296,3 +335,15 @@ def reload_settings() -> Settings:
 # even when the application configured no logging (and before KVCACHED_LOG_LEVEL applies), it
 # names its category, so `-W error::kvcached.config.UnknownSettingWarning` makes a CI job fail
 # on a misspelling, and an application can silence it with the warnings filter.
+# A budget's settings (BUDGET_SETTINGS) without KVCACHED_GLOBAL_BUDGET are known names that do
+# nothing (an operator set the weight and forgot the budget's name): the same warning, once per
+# name and process, as an IgnoredSettingWarning naming them and the fix.
+#
+# Note [Errors name the variable]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A value the table took but its user refused raised later, in the words of that user:
+# KVCACHED_GLOBAL_BUDGET_BYTES=9999999999P parsed (2**83 bytes) and the budget then refused
+# "budget_bytes=... must be an int in [0, I64_MAX]", naming no variable. So each parser accepts
+# only what its users accept: sizes up to I64_MAX (every size setting ends in an int64 field of a
+# segment), names printable as a segment's name must be (kvcached.shm.files.validate_name).
+# The settings' users still check what they are given, as any caller's arguments.

@@ -23,6 +23,7 @@ from ._steps import Steps
 from .checks import as_int
 from .errors import KVCachedArgumentError, KVCachedClosedError, KVCachedConfigError, KVCachedError
 from .limits import I64_MAX, NO_LIMIT, classify_limit_request
+from .shm.files import validate_name
 from .shm.owner import MemInfoTracker
 from .shm.poller import POLLER, Job
 
@@ -306,6 +307,11 @@ class KVCacheManager:
         if base is None:
             return None
         name = base if self.pool_name is None else f"{base}.{self.pool_name}"
+        try:
+            validate_name(name)
+        except KVCachedConfigError as exc:
+            raise KVCachedConfigError(f"KVCACHED_IPC_NAME={base!r} with pool_name={self.pool_name!r} names no "
+                                      f"valid segment: {exc}") from None
         for other in self._registry.managers():
             if other.ipc_name == name:
                 raise KVCachedConfigError(
@@ -530,8 +536,9 @@ class KVCacheManager:
         """Tell the budget how many blocks this engine wants beyond what it holds (its waiting
         requests' needs), for engines that check before they allocate and so never see alloc
         return None. Kept until the next call; 0 clears it. Published within SHARE_INTERVAL_S
-        (the larger of this and the blocks refused since the last round). Without a global
-        budget it is kept and has no effect.
+        (the larger of this and the blocks refused since the last round), up to what the
+        operator's limit and the capacity let this instance take beyond what it holds (See Note
+        [Fair share]). Without a global budget it is kept and has no effect.
 
         Raises KVCachedArgumentError (a ValueError and a TypeError) for anything but an int in
         [0, I64_MAX]; nothing is changed then."""
@@ -549,23 +556,31 @@ class KVCacheManager:
         return [int(b) * num // den for b in block_ids]
 
     def over_limit_blocks(self) -> int:
-        """Blocks this engine holds beyond what its current limit (the operator's, or the
-        budget's cap while another instance waits for its fair share; the lower) lets its pages
-        hold; 0 if none. What the engine should free (preempt) now, so that the memory moves at
-        once instead of when its next allocation fails. O(1)."""
+        """Blocks this engine must free (preempt) now for its live blocks to fit the pages its
+        current limit allows (the operator's limit, or the budget's cap while another instance
+        waits for its fair share; the lower), so that the memory moves at once instead of when
+        its next allocation fails; 0 if none.
+
+        Exactly: with a limit of L pages, the fewest blocks whose freeing lets the remaining
+        live blocks (held ones included) fit on L of the pages that now hold live blocks, i.e.
+        live blocks less the blocks the L largest of those pages hold, at least 0. The blocks
+        left on the other pages then move into free slots of those L (plan_compaction), and
+        over_limit_pages() of them empty. 0 while at most L pages hold live blocks, whatever
+        their sizes (a page holding fewer blocks, such as the last one, counts as one page).
+        O(1) within the limit; O(pages log pages) beyond it."""
         self._check_open()
         with self._limit_lock:
             limit_pages = self._limit_pages()
-        if limit_pages < 0:
+        if limit_pages < 0 or self._blocks.stats()["owned_pages"] <= limit_pages:
             return 0
-        stats = self._blocks.stats()
-        fits = limit_pages * stats["total_blocks"] // max(1, self.num_pages)
-        return max(0, stats["allocated"] + stats["held"] - fits)
+        occupancy = self._blocks.page_occupancy().values()
+        kept = sorted((size for _, size in occupancy), reverse=True)[:limit_pages]
+        return max(0, sum(live for live, _ in occupancy) - sum(kept))
 
     def over_limit_pages(self) -> int:
-        """Pages holding blocks beyond the current limit (as over_limit_blocks); 0 if none. Freeing
-        over_limit_blocks() blocks fits the blocks under the limit, but a page goes back only once
-        every block on it is free: this is how many pages must empty. O(1)."""
+        """Pages holding live blocks beyond the current limit (as over_limit_blocks); 0 if none.
+        Freeing over_limit_blocks() blocks lets the blocks fit under the limit, but a page goes
+        back only once every block on it is free: this is how many pages must empty. O(1)."""
         self._check_open()
         with self._limit_lock:
             limit_pages = self._limit_pages()
@@ -628,6 +643,16 @@ class KVCacheManager:
                 "demand_bytes": mine.demand_bytes, "share_bytes": mine.share_bytes,
                 "cap_bytes": self._cap_bytes}
 
+    def _room_bytes(self) -> int:
+        """Budget bytes this instance could still take by its own bounds: up to the operator's
+        limit and its capacity (pages it may hand out), less what it holds of the budget. Not up
+        to the budget's cap: See Note [Fair share]."""
+        pages = self._pages.capacity_pages
+        limit_bytes = self._limit_bytes             # one read of an int: no lock
+        if limit_bytes != NO_LIMIT:
+            pages = min(pages, limit_bytes // self.page_bytes)
+        return max(0, pages * self.page_bytes - self._budget.held_bytes)  # type: ignore[union-attr]
+
     @property
     def _bytes_per_block(self) -> int:
         """Budget bytes one block costs: every layer, K and V, every rank (as the gate counts)."""
@@ -640,7 +665,7 @@ class KVCacheManager:
         assert budget is not None, "the share job runs only under a budget"
         failed = self._blocks.num_failed_blocks     # no lock: a free may hold it, waiting on the budget
         refused, self._failed_blocks_seen = failed - self._failed_blocks_seen, failed
-        budget.set_demand(min(I64_MAX, max(self._reported_demand, refused) * self._bytes_per_block))
+        budget.set_demand(min(self._room_bytes(), max(self._reported_demand, refused) * self._bytes_per_block))
         cap = budget.cap_bytes()
         with self._limit_lock:
             if self._closed_reason is not None or cap == self._cap_bytes:
@@ -850,6 +875,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 # budget's flock, and the poller's other jobs (the publishing) must not wait behind that. A refused request the engine retries every step
 # counts each time, overstating demand within a round; that only widens this instance's share up
 # to its weighted slice, and stops as soon as its allocations succeed.
+# Demand is published only up to what the instance could take by its own bounds: the operator's
+# limit and its capacity (capacity_pages), less the budget bytes it holds (_room_bytes). An
+# instance held down by `kvctl limit` kept publishing the blocks its allocs were refused: it sat
+# below its share with demand waiting, so the other instance was capped at its share while 6 of
+# 16 pages stayed free, for as long as the limit stood. Those blocks are refused whatever the
+# budget does, so they are no demand on it. The budget's cap is deliberately not such a bound:
+# it is computed from the demand, and demand is how a holder below its share asks for more; a
+# demand clipped to the cap could never raise the cap, and a holder capped low would stay there.
 #
 # Note [Moving blocks instead of preempting]
 # A page goes back only when every block on it is free, and an engine's requests take their next

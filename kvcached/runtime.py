@@ -121,7 +121,8 @@ def resolve_device(device: object) -> str:
     raise KVCachedConfigError(f"device={device!r} is not understood; use 'cpu', 'cuda' or 'cuda:N'.")
 
 
-def _make_backend(device: str, page_bytes: int, host_capacity_bytes: int | None):
+def _make_backend(device: str, page_bytes: int, page_source: str, host_capacity_bytes: int | None):
+    """The backend of `device` for pages of `page_bytes` (what `page_source` names, for errors)."""
     from .core import CudaBackend, HostBackend
 
     if device == "cpu":
@@ -129,9 +130,9 @@ def _make_backend(device: str, page_bytes: int, host_capacity_bytes: int | None)
         backend = HostBackend(granularity=granularity, capacity_bytes=host_capacity_bytes)
         if page_bytes > backend.capacity_bytes:
             raise KVCachedConfigError(
-                f"page size {page_bytes} bytes is larger than the host backend's capacity of "
-                f"{backend.capacity_bytes} bytes: not one page could be mapped; use a smaller page "
-                f"(KVCACHED_PAGE_SIZE_MB, page_size_bytes) or a larger host_capacity_bytes")
+                f"{page_source}: pages of {page_bytes} bytes are larger than the host backend's capacity of "
+                f"{backend.capacity_bytes} bytes: not one page could be mapped; use a smaller page or a larger "
+                f"host_capacity_bytes")
         return backend
     return CudaBackend(int(device.split(":")[1]))
 
@@ -185,6 +186,8 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
     settings = config.settings()
     logging.getLogger("kvcached").setLevel(settings.log_level)
     page_bytes = settings.page_size_mb << 20 if page_size_bytes is None else page_size_bytes
+    page_source = (f"KVCACHED_PAGE_SIZE_MB={settings.page_size_mb}" if page_size_bytes is None
+                   else f"page_size_bytes={page_size_bytes}")
     with _lock:
         wanted = resolve_device(device)
         if _runtime is not None:
@@ -204,17 +207,18 @@ def init_kvcached(tp_rank: int = 0, world_size: int = 1, pp_rank: int = 0, is_wo
                 f"device='none' (a leader without pages) is for rank 0 of a tensor-parallel instance whose ranks "
                 f"1..world_size-1 hold the memory; got tp_rank={tp_rank}, world_size={world_size}: pass a device "
                 f"that holds pages, or tp_rank=0 and world_size = the workers + 1")
-        backend = None if wanted == "none" else _make_backend(wanted, page_bytes, host_capacity_bytes)
+        backend = None if wanted == "none" else _make_backend(wanted, page_bytes, page_source, host_capacity_bytes)
         tp = None
         if backend is None:
             tp = _start_tp(tp_rank, world_size, tp_group, None, page_bytes, settings.tp_timeout_s,
                            settings.tp_transport, tp_link)
             backend = _ledger_backend(tp, page_bytes)
         if page_bytes <= 0 or page_bytes % backend.granularity:
+            fix = (f"set KVCACHED_PAGE_SIZE_MB to a multiple of {max(1, backend.granularity >> 20)}"
+                   if page_size_bytes is None else f"pass a multiple of {backend.granularity}")
             raise KVCachedConfigError(
-                f"page size {page_bytes} bytes is not a positive multiple of the {backend.kind} granularity "
-                f"({backend.granularity} bytes); set KVCACHED_PAGE_SIZE_MB to a multiple of "
-                f"{max(1, backend.granularity >> 20)}.")
+                f"{page_source}: pages of {page_bytes} bytes are not a positive multiple of the {backend.kind} "
+                f"granularity ({backend.granularity} bytes); {fix}.")
         if tp is None and world_size > 1:
             tp = _start_tp(tp_rank, world_size, tp_group, backend, page_bytes, settings.tp_timeout_s,
                            settings.tp_transport, tp_link)

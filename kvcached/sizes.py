@@ -15,6 +15,7 @@ _UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5}
 _NUMBER = r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)"      # ASCII digits only (\d would take "٣")
 _SIZE_RE = re.compile(_NUMBER + r"\s*(?:([KMGTP])(?:I?B)?|B)?", re.IGNORECASE)
 _PERCENT_RE = re.compile(_NUMBER + r"\s*%")
+MAX_DIGITS = 64      # digits of a size's number: 8 EiB has 19, and int() refuses past 4300
 SIZE_HELP = "whole bytes (4096), a binary unit (512M, 2G, 1.5G) or a percentage of the capacity (10%)"
 
 
@@ -33,7 +34,7 @@ def parse_size(text: str, capacity_bytes: int | None = None) -> int:
         raise ValueError(f"size {stripped!r} is negative: give a size >= 0 ({SIZE_HELP})")
     percent = _PERCENT_RE.fullmatch(stripped)
     if percent:
-        numerator, denominator = _exact(percent.group(1))
+        numerator, denominator = _exact(percent.group(1), stripped)
         if numerator > 100 * denominator:
             raise ValueError(f"size {stripped!r} is above 100% of the capacity: give 0% to 100%")
         if not capacity_bytes:
@@ -45,7 +46,7 @@ def parse_size(text: str, capacity_bytes: int | None = None) -> int:
     if not match:
         raise ValueError(f"size {stripped!r} is malformed: give {SIZE_HELP}")
     number, unit = match.group(1), (match.group(2) or "").upper()
-    numerator, denominator = _exact(number)
+    numerator, denominator = _exact(number, stripped)
     if not unit and numerator % denominator:
         raise ValueError(_fraction_of_a_byte(stripped, number, numerator, denominator))
     return numerator * 1024 ** _UNITS[unit] // denominator
@@ -69,10 +70,14 @@ def _decimal(numerator: int, denominator: int) -> str:
     return f"{whole}.{digits}" if digits else str(whole)
 
 
-def _exact(decimal: str) -> tuple[int, int]:
-    """``"1.25"`` -> (125, 100): the number as an exact fraction of integers."""
+def _exact(decimal: str, text: str) -> tuple[int, int]:
+    """``"1.25"`` -> (125, 100): the number as an exact fraction of integers. Raises ValueError
+    naming ``text`` (the size it is part of) past MAX_DIGITS digits."""
     whole, _, fraction = decimal.partition(".")
-    return int(whole + fraction or "0"), 10 ** len(fraction)
+    digits = whole + fraction or "0"
+    if len(digits) > MAX_DIGITS:
+        raise ValueError(f"size {text[:24]!r}... has {len(digits)} digits: give at most {MAX_DIGITS} ({SIZE_HELP})")
+    return int(digits), 10 ** len(fraction)
 
 
 def format_bytes(num_bytes: int) -> str:

@@ -8,7 +8,9 @@ itself stays exact while a refill is mapping (test_available_size_counts_pages_i
 
 from __future__ import annotations
 
+import itertools
 import random
+import re
 import threading
 import time
 
@@ -495,6 +497,56 @@ def test_memory_limit_lifecycle(kv_env, layout, tracker):
     m.check_invariants()
 
 
+def brute_over_limit_blocks(states: np.ndarray, page_of: np.ndarray, limit_pages: int) -> int:
+    """over_limit_blocks by its definition, trying every choice of limit_pages pages to keep among
+    those holding live blocks: the blocks on the other pages move into the free slots of the kept
+    ones, and what does not fit must be freed; the fewest over all choices."""
+    live, usable = (states == 1) | (states == 3), states != 2
+    holding = sorted(set(page_of[live].tolist()))
+    if len(holding) <= limit_pages:
+        return 0
+    count = {p: int((live & (page_of == p)).sum()) for p in holding}
+    free = {p: int((usable & (page_of == p)).sum()) - count[p] for p in holding}
+    return min(max(0, sum(count[p] for p in holding if p not in kept) - sum(free[p] for p in kept))
+               for kept in itertools.combinations(holding, limit_pages))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_over_limit_blocks_is_the_fewest_blocks_to_free(kv_env, layout, data):
+    """Random occupancies (which blocks of which pages live, held ones included), geometries whose
+    pages hold unequal numbers of blocks (the last one partial) and limits: over_limit_blocks is
+    the brute-force count, and over_limit_pages the pages beyond the limit. It was the live blocks
+    less limit x the average blocks per page, so blocks that fit their pages were counted."""
+    dividing = [(16, 2, 32), (16, 4, 32), (8, 4, 64), (16, 4, 64)]      # 32, 16, 16 and 8 blocks a page
+    straddling = [(16, 3, 24), (16, 5, 40), (5, 5, 40), (7, 3, 40)]     # 28.4, 10.2, 32.8 and 39.0
+    block_size, heads, head_dim = data.draw(st.sampled_from(
+        dividing + ([] if layout == "page_grouped" else straddling)), label="block_size, heads, head_dim")
+    num_blocks = data.draw(st.integers(1, 120), label="num_blocks")
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    try:
+        m, kv = make(kv_env, layout, num_blocks=num_blocks, block_size=block_size, heads=heads, head_dim=head_dim)
+        if m.num_pages > 12:        # the brute force tries every choice of pages
+            return
+        ids = m.alloc(m.available_size())
+        keep = [rng.random() for _ in range(m.num_pages)]       # each page's share of live blocks
+        m.free([b for b, p in zip(ids, m.pages_of(ids)) if rng.random() > keep[p]])
+        held = data.draw(st.integers(0, 3), label="held")
+        assert m.try_to_reserve(min(held, m.available_size()))
+        owned = m.stats()["owned_pages"]
+        limit_pages = data.draw(st.integers(0, owned + 1), label="limit_pages")
+        extra = data.draw(st.integers(0, m.page_bytes - 1), label="extra bytes")
+        m.set_memory_limit(limit_pages * m.page_bytes + extra, revision=1)
+        states = m._blocks.block_states()
+        page_of = np.array(m.pages_of(range(len(states))))
+        assert m.over_limit_blocks() == brute_over_limit_blocks(states, page_of, limit_pages)
+        assert m.over_limit_pages() == max(0, owned - limit_pages)
+        m.check_invariants()
+    finally:
+        shutdown_kvcached()
+
+
 # -- constructor and registry -------------------------------------------------------------------
 
 def test_constructor_validation(kv_env):
@@ -522,6 +574,22 @@ def test_constructor_validation(kv_env):
         KVCacheManager(**{**good, "num_blocks": 1000})
     m = KVCacheManager(np.int64(100), np.int32(16), 128, 2)      # engines pass numpy ints
     assert type(m.num_blocks) is int and m.available_size() == 100
+
+
+@pytest.mark.parametrize("pool_name", ["pool", "a/b", "a\x85"])
+def test_a_pool_name_that_spoils_the_segment_name_names_the_variable(kv_env, pool_name):
+    """KVCACHED_IPC_NAME suffixed with pool_name must still name a segment; the error was the
+    segment's, naming neither. Nothing is left behind: the same group takes a good pool_name."""
+    base = "x" * 196
+    kv_env(TRACKER=1, IPC_NAME=base, MIN_RESERVED_PAGES=0)
+    init_kvcached(device="cpu", page_size_bytes=KV_PAGE_BYTES)
+    with pytest.raises(KVCachedConfigError, match=re.escape(f"KVCACHED_IPC_NAME='{base}' with pool_name={pool_name!r} "
+                                                            f"names no valid segment")):
+        KVCacheManager(64, 16, 128, 2, pool_name=pool_name)
+    assert runtime_module.managers() == []
+    m = KVCacheManager(64, 16, 128, 2, pool_name="p")
+    assert m.ipc_name == f"{base}.p"
+    m.close()
 
 
 def test_more_blocks_than_the_tensors_is_refused(kv_env):

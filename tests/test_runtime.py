@@ -61,6 +61,24 @@ def test_init_page_larger_than_host_capacity(kv_env):
     assert rt_mod._runtime is None
 
 
+@pytest.mark.parametrize("page_size_mb, kwargs, match", [
+    (3, {}, r"KVCACHED_PAGE_SIZE_MB=3: pages of 3145728 bytes are not a positive multiple of the host granularity "
+            r"\(2097152 bytes\); set KVCACHED_PAGE_SIZE_MB to a multiple of 2"),
+    (3, dict(page_size_bytes=3 << 20), r"page_size_bytes=3145728: .* granularity \(2097152 bytes\); pass a "
+                                       r"multiple of 2097152"),
+    (8, dict(host_capacity_bytes=4 << 20), r"KVCACHED_PAGE_SIZE_MB=8: pages of 8388608 bytes are larger than the "
+                                           r"host backend's capacity of 4194304 bytes"),
+])
+def test_page_size_errors_name_the_variable_or_the_argument(kv_env, page_size_mb, kwargs, match):
+    """The page size comes from KVCACHED_PAGE_SIZE_MB or page_size_bytes: an error names the one
+    that gave it, and the fix for that one (it told an engine passing page_size_bytes to set the
+    variable)."""
+    kv_env(PAGE_SIZE_MB=page_size_mb)
+    with pytest.raises(KVCachedConfigError, match=match):
+        init_kvcached(device="cpu", **kwargs)
+    assert rt_mod._runtime is None
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(host_capacity_bytes="x"), "host_capacity_bytes='x' must be"),
     (dict(host_capacity_bytes=0), "host_capacity_bytes=0"),

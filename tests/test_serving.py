@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -33,6 +34,7 @@ from kvcached.serving import (
     build_model,
     model_config,
 )
+from kvcached.serving.loop import step_buffer_bytes
 
 FAMILIES = ("llama", "qwen2", "mistral")
 LAYOUTS = ("per_layer", "interleaved", "page_grouped")
@@ -461,6 +463,40 @@ def test_bad_requests_are_refused_and_change_nothing():
         with pytest.raises(ValueError, match=words):
             loop.add_request(prompt, max_new)
     assert not loop.has_work() and loop.stats.waiting == 0
+
+
+def test_step_buffer_bytes_is_what_a_loop_allocates():
+    model = serving_model("llama")
+    loop = ServingLoop(model, StaticKVCache(model.config, 9, block_size=4), max_batch_tokens=37, max_running=5)
+    b, c = loop.buffers, loop.counters
+    allocated = (b.staging.nbytes + b.tables.nbytes + b._arange.nbytes + sum(t.nbytes for t in b.tokens)
+                 + sum(a.nbytes for a in (c.cached, c.length, c.room, c.end, c.last)))
+    assert allocated == step_buffer_bytes(37, 5, b.width) and b.width == 9
+
+
+@pytest.mark.parametrize("arguments", [{"max_batch_tokens": 10**12}, {"max_running": 10**9},
+                                       {"max_batch_tokens": 10**11, "max_running": 10**8}])
+def test_step_buffers_beyond_memory_are_refused_naming_the_bounds(arguments):
+    """ServingLoop(max_batch_tokens=10**12) died in torch's allocator asking for 32 TB: refused,
+    naming both arguments and, for each, the largest value that fits with the other; the cache
+    is untouched."""
+    model = serving_model("llama")
+    cache = StaticKVCache(model.config, 8, block_size=4)
+    tokens, rows = arguments.get("max_batch_tokens", 2048), arguments.get("max_running", 256)
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    with pytest.raises(ValueError, match=rf"max_batch_tokens={tokens} with max_running={rows} needs "
+                                         rf"{step_buffer_bytes(max(tokens, rows), rows, 8)} bytes") as info:
+        ServingLoop(model, cache, **arguments)
+    bounds = dict(re.findall(r"(max_batch_tokens|max_running) <= (\d+)", str(info.value)))
+    assert bounds, str(info.value)
+    for name, most in bounds.items():
+        def need(value: int) -> int:
+            given = {"max_batch_tokens": tokens, "max_running": rows, name: value}
+            return step_buffer_bytes(max(given.values()), given["max_running"], 8)
+
+        assert need(int(most)) <= memory < need(int(most) + 1), (name, most)
+    assert cache.available_blocks() == 8
+    ServingLoop(model, cache, max_batch_tokens=1 << 16, max_running=1024).close()
 
 
 def test_bad_construction_is_refused():

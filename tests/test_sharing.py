@@ -578,3 +578,42 @@ def test_share_is_none_without_a_budget():
         assert ids is None or m.over_limit_blocks() == 0
     finally:
         shutdown_kvcached()
+
+
+def test_demand_beyond_the_holders_own_limit_is_no_demand(monkeypatch, budget_name):
+    """An instance held down by its operator limit or its capacity publishes as demand only what
+    those would let it take beyond what it holds: the blocks its own limit refuses are no demand
+    on the budget, so the other instance is not capped while pages sit free. Demand within them
+    still caps the other."""
+    from kvcached import KVCacheManager, config, init_kvcached, shutdown_kvcached
+
+    monkeypatch.setenv("KVCACHED_GLOBAL_BUDGET", budget_name)
+    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
+    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    config.reload_settings()
+    init_kvcached(device="cpu", page_size_bytes=64 << 10)
+    try:
+        page = (64 << 10) * 2 * 2                   # a page id maps 2 layers x K, V of 64 KiB
+        kb.set_budget(budget_name, 16 * page)
+        small = KVCacheManager(256, 16, 64, 2, pool_name="small")        # a capacity of 4 pages
+        bpp = 256 // small.num_pages
+        assert (small.num_pages, small.page_bytes) == (4, page)
+        big = KVCacheManager(1024, 16, 64, 2, group_id=1, pool_name="big")
+        assert small.alloc(2 * bpp) is not None
+        small.report_demand(8 * bpp)
+        wait_until(lambda: small.share()["demand_bytes"] == 2 * page, what="demand clipped to the capacity left")
+        assert small.set_memory_limit(2 * page, revision=1)["status"] == "applied"
+        assert small.alloc(bpp) is None                                 # refused by its own limit
+        wait_until(lambda: small.share()["demand_bytes"] == 0, what="no demand beyond the limit")
+        assert big.alloc(8 * bpp) is not None
+        wait_until(lambda: big.alloc(6 * bpp) is not None, what="the other instance mapping the free pages")
+        assert big.share()["cap_bytes"] == kb.I64_MAX and read_budget(budget_name).held_bytes == 16 * page
+        # raised by one page: a page's worth of demand, and the other one is capped for it
+        assert small.set_memory_limit(3 * page, revision=2)["status"] == "applied"
+        wait_until(lambda: small.share()["demand_bytes"] == page, what="demand up to the raised limit")
+        wait_until(lambda: big.share()["cap_bytes"] < kb.I64_MAX, what="the other instance capped")
+        assert big.over_limit_blocks() > 0
+    finally:
+        shutdown_kvcached()
+        monkeypatch.undo()
+        config.reload_settings()

@@ -42,6 +42,15 @@ def test_parse_size_refuses(text, match):
     assert repr(text.strip()) in str(info.value)
 
 
+@pytest.mark.parametrize("text", ["9" * 5000, "1." + "0" * 5000 + "G", "9" * 65 + "%"])
+def test_too_many_digits_are_refused_naming_the_limit(text):
+    """int() refuses more than 4300 digits with advice about sys.set_int_max_str_digits: no fix
+    for a size."""
+    with pytest.raises(ValueError, match=r"digits: give at most 64") as info:
+        parse_size(text, 1 << 30)
+    assert repr(text[:24]) in str(info.value) and "set_int_max_str_digits" not in str(info.value)
+
+
 @pytest.mark.parametrize("value", [None, 4096, 1.5, b"4K"])
 def test_parse_size_wants_text(value):
     with pytest.raises(TypeError, match="must be text"):

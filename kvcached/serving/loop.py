@@ -12,8 +12,10 @@ Greedy decoding. See Note [Scheduling], Note [Preemption] and Note [Pad block].
 from __future__ import annotations
 
 import _signal
+import bisect
 import collections
 import itertools
+import os
 import signal
 import threading
 import time
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 
 from kvcached.checks import as_int
+from kvcached.sizes import format_bytes
 
 from .attention import ATTENTION_NAME
 from .buffers import StepBuffers
@@ -33,6 +36,39 @@ from .plan import StepPlan
 
 RATE_WINDOW = 32                # steps over which stats.tokens_per_s is measured
 SWAP_BYTES = 4 << 30            # host memory a loop may keep preempted requests' K/V in, by default
+
+
+def step_buffer_bytes(tokens: int, rows: int, width: int) -> int:
+    """Host bytes a loop allocates when it is made, for steps of `tokens` tokens (the larger of
+    max_batch_tokens and max_running) of at most `rows` requests (max_running) whose block
+    tables are `width` wide: StepBuffers' staging (StepPlan.data_len values), block-table mirror,
+    arange and two token buffers, and RowCounters' five counters per row, every value 8 bytes.
+    On CUDA the device holds a copy of the staging. See Note [Step buffer bounds]. O(1)."""
+    return 8 * (StepPlan.data_len((tokens, rows, width, rows)) + rows * width + tokens + 1 + 7 * rows)
+
+
+def _refuse_buffers_beyond_memory(max_batch_tokens: int, max_running: int, width: int,
+                                  device: torch.device) -> None:
+    """Raise ValueError, naming both arguments and the largest value of each that fits with the
+    other, if the loop's step buffers would not fit in the host's physical memory (on CUDA, the
+    smaller of it and the device's). See Note [Step buffer bounds]."""
+    have, where = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "this host's memory"
+    if device.type == "cuda":
+        have, where = min((have, where), (torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"))
+
+    def need(tokens: int, rows: int) -> int:
+        return step_buffer_bytes(max(tokens, rows), rows, width)
+
+    wanted = need(max_batch_tokens, max_running)
+    if wanted <= have:
+        return
+    most = {name: bisect.bisect_right(range(have + 1), have, key=key) - 1 for name, key in (
+        ("max_batch_tokens", lambda tokens: need(tokens, max_running)),
+        ("max_running", lambda rows: need(max_batch_tokens, rows)))}
+    fixes = " or ".join(f"{name} <= {value}" for name, value in most.items() if value >= 1) or "lower both"
+    raise ValueError(f"max_batch_tokens={max_batch_tokens} with max_running={max_running} needs {wanted} bytes "
+                     f"({format_bytes(wanted)}) of step buffers, allocated when the loop is made (block tables "
+                     f"{width} wide), more than the {format_bytes(have)} of {where}: pass {fixes}")
 
 
 @dataclass
@@ -152,7 +188,9 @@ class ServingLoop:
     (``build_model`` does). max_batch_tokens caps the tokens of one step (prompts are prefilled in
     chunks within it); max_running caps the requests in flight; max_tokens caps prompt + new
     tokens of one request (None: what the cache and the model's positions allow; it sets the
-    width of the block tables every step carries).
+    width of the block tables every step carries). The step buffers for these are allocated
+    when the loop is made; ValueError, naming the bounds, if they would not fit in memory
+    (Note [Step buffer bounds]).
 
     cuda_graphs: decode-only steps run through a runner of static, padded buffers, a CUDA graph
     per padded batch size (kvcached.serving.graphs). None turns it on for a model on CUDA, off
@@ -218,10 +256,11 @@ class ServingLoop:
             max_tokens, "max_tokens", minimum=1, maximum=most, error=ValueError,
             hint="the cache's blocks (but the pad block) x block_size and the model's max_position_embeddings "
                  "bound it")
+        width = -(-max(self.max_tokens, 1) // cache.block_size)
+        _refuse_buffers_beyond_memory(self.max_batch_tokens, self.max_running, width, self.device)
         self.buffers = StepBuffers(max_running=self.max_running,
                                    max_tokens_per_step=max(self.max_batch_tokens, self.max_running),
-                                   width=-(-max(self.max_tokens, 1) // cache.block_size), block_size=cache.block_size,
-                                   device=self.device)
+                                   width=width, block_size=cache.block_size, device=self.device)
         self.counters = RowCounters(self.max_running, cache.block_size)     # See Note [Row counters]
         self.runner = DecodeRunner(self.step_model, cache, self.max_running, capture=self.device.type == "cuda") \
             if cuda_graphs else None
@@ -1094,3 +1133,17 @@ class ServingLoop:
 # counted ahead, so the counters and the requests never part. Frees stay behind a wait for the
 # device: finished requests leave only in a committed step, preemption happens only in a step
 # that committed the step ahead first.
+#
+# Note [Step buffer bounds]
+# The loop allocates its step buffers once, when it is made (Note [Step buffers] in buffers), for
+# the largest step its arguments allow: 32 bytes of host memory per token of max_batch_tokens
+# (three staging values and an arange entry) and 16 x width + 80 per request of max_running
+# (the block-table mirror and the staging's tables, width = ceil(max_tokens / block_size), and
+# ten values of counters, lengths and tokens); on CUDA 24 bytes per token and 8 x width + 24 per
+# request of them again on the device. ServingLoop(max_batch_tokens=10**12) died in torch's
+# allocator asking for 32 TB, naming no argument. The bound is what those buffers can take at
+# most: the host's physical memory, or the device's if smaller; beyond it no allocation can
+# succeed, so the constructor refuses first, naming both arguments and the largest value of
+# each that fits with the other. Not the cache's capacity: a step never holds more tokens than
+# the cache has slots, but a cap above that is harmless as a cap, and a small cache with the
+# default max_batch_tokens is common.
