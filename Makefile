@@ -19,7 +19,7 @@ PY := $(VENV)/bin/python
 # Remade when setup.py, pyproject.toml or a source of the compiled core is newer: the editable
 # install (and the build) again.
 INSTALLED := $(VENV)/.kvcached-installed
-CORE_SOURCES := $(wildcard kvcached/core/*.pyx kvcached/core/*.pxd)
+CORE_SOURCES := $(wildcard kvcached/core/*.pyx kvcached/core/*.pxd kvcached/tp/*.pyx kvcached/tp/*.pxd)
 HAS_GPU := $(shell (nvidia-smi -L >/dev/null 2>&1 || test -e /dev/nvidia0) && echo yes)
 
 .PHONY: demo test test-fast

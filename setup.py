@@ -79,8 +79,11 @@ def find_cuda_include() -> str:
 # The compiled core: one extension module per layer, each cimporting only the ones before it, each
 # with a .pxd contract and a .pyi stub (shipped as package data). The generated C++ goes to build/.
 # _probes: test hooks for the C structs of pagesets and freebuckets, apart from the production modules.
-CORE_MODULES = ("vmm", "hostmem", "ledger", "pagetable", "rounds", "pagesets", "refill", "pagealloc", "freebuckets", "blockargs",
+CORE_MODULES = ("vmm", "hostmem", "ledger", "pagetable", "pagesets", "refill", "pagealloc", "freebuckets", "blockargs",
                 "blockalloc", "_probes")
+# tp/rounds: the round segment of tensor parallelism over shared memory, beside its one user
+# (tp/shm.py); it cimports the page table and the checked calls of the core.
+TP_MODULES = ("tp/rounds",)
 
 
 def extensions():
@@ -89,13 +92,13 @@ def extensions():
     include_dirs = [find_cuda_include()]
     modules = [
         Extension(
-            f"kvcached.core.{name}",
-            sources=[f"kvcached/core/{name}.pyx"],
+            f"kvcached.{name.replace('/', '.')}",
+            sources=[f"kvcached/{name}.pyx"],
             include_dirs=include_dirs,
             language="c++",
             extra_compile_args=["-O3", "-std=c++17", "-Wno-unused-function", "-Wno-deprecated-declarations"],
         )
-        for name in CORE_MODULES
+        for name in [f"core/{module}" for module in CORE_MODULES] + list(TP_MODULES)
     ]
     return cythonize(
         modules,

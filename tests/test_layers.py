@@ -1,7 +1,7 @@
 """The package's import graph follows its layers: no cycle, no import pointing up.
 
 The layer order: cli -> runtime -> kv_cache_manager -> layout, tp -> core (the facade) ->
-core.blockalloc -> core.freebuckets, core.blockargs -> core.pagealloc -> core.refill -> core.pagesets, core.rounds ->
+core.blockalloc -> core.freebuckets, core.blockargs -> core.pagealloc -> core.refill -> core.pagesets ->
 core.pagetable, core.ledger -> core.hostmem -> core.vmm (the compiled core, its .pyx and .pxd read for import and cimport lines),
 with the shared-memory and utility modules below; ops, serving, integration and demo use only the
 public API. Parses the sources (every import statement, those inside functions included), so it
@@ -25,13 +25,13 @@ LAYERS = (
     {"core.vmm"},
     {"core.hostmem"},
     {"core.pagetable", "core.ledger"},               # ledger: the backend of a TP leader without pages
-    {"core.pagesets", "core.rounds"},               # the page ledger; rounds: the TP round segment over page tables
+    {"core.pagesets"},                              # the page ledger
     {"core.refill"},                                # the pool's refill policy, below the allocator it drives
     {"core.pagealloc"},
     {"core.freebuckets", "core.blockargs"},         # the block allocator's parts
     {"core.blockalloc", "core._probes"},             # _probes: test hooks over the parts below
     {"core", "shm"},                                # core: the compiled core's facade; shm: segments, budgets, the poller
-    {"layout", "tp"},                               # tp: the page-table mirror of tensor parallelism
+    {"layout", "tp"},                               # tp: the page-table mirror of tensor parallelism and its transports
     {"kv_cache_manager"},
     {"runtime"},
     {""},                                           # the package: public API re-exports
@@ -62,7 +62,7 @@ _CYTHON_IMPORT = re.compile(r"^[ \t]*(?:from\s+(\.+[\w.]*|kvcached[\w.]*)\s+c?im
 
 def modules() -> dict[str, Path]:
     found = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    for path in CORE.glob("*.pyx"):
+    for path in PACKAGE.rglob("*.pyx"):
         found[module_name(path)] = path
     for path in CORE.glob("*.pxd"):                 # declarations only (no .pyx): e.g. _posix.pxd
         found.setdefault(module_name(path), path)
@@ -145,6 +145,8 @@ def test_the_parser_sees_known_edges():
         ("core.pagetable", "core.vmm"),             # cimport
         ("core.pagealloc", "core.refill"),          # cimport
         ("core.blockalloc", "core.pagealloc"),      # cimport
+        ("tp.rounds", "core.pagetable"),            # cimport, from outside the core
+        ("tp.shm", "tp.rounds"),                    # the round transport beside its one user
     }
     missing = sorted(f"{source} -> {target}" for source, target in known if target not in edges[source])
     assert not missing, f"the parser missed imports that exist: {missing}"

@@ -1,4 +1,4 @@
-"""The round segment (kvcached.core.rounds) and the shared-memory link (kvcached.tp.shm) on real
+"""The round segment (kvcached.tp.rounds) and the shared-memory link (kvcached.tp.shm) on real
 shared memory: a request and its replies cross a real process intact (seeded random rounds), a
 segment whose header or size was changed is refused naming the field, and a reply out of step,
 a peer that died, a peer that never answers and a scheduling rank that died each fail with
@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from kvcached.core.rounds import RoundSegment, segment_bytes
+from kvcached.tp.rounds import RoundSegment, segment_bytes
 from kvcached.errors import KVCachedConfigError, KVCachedTPError
 from kvcached.shm.files import own_identity
 from kvcached.tp.channel import ERROR, HELLO, MAP, OK, QUERY, STOP
@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPACITY = 4096
 WAIT_S = 60.0
 
-# Offsets of the header fields (SegmentHeader in core/rounds.pxd): magic, version, world_size,
+# Offsets of the header fields (SegmentHeader in tp/rounds.pxd): magic, version, world_size,
 # capacity_ids, total_bytes, then 64 identities of 3 int64, then the request.
 FIELDS = {"magic": 0, "version": 8, "world_size": 16, "capacity_ids": 24, "total_bytes": 32}
 REQUEST_OFFSET = 40 + 64 * 3 * 8
@@ -61,7 +61,7 @@ def _dead_pid() -> int:
 ECHO = r"""
 import os, sys
 sys.path.insert(0, sys.argv[1])
-from kvcached.core.rounds import RoundSegment
+from kvcached.tp.rounds import RoundSegment
 from kvcached.shm.files import own_identity
 fd = os.open(sys.argv[2], os.O_RDWR)
 seg = RoundSegment(fd, int(sys.argv[3]), int(sys.argv[4]), False)

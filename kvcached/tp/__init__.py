@@ -5,7 +5,7 @@ once every rank has mapped it. The scheduling rank (tp_rank 0) owns the allocato
 its page tables carry a ``TableMirror`` (mirror.py) that repeats each map and unmap on the other
 ranks, whose ``Follower`` service (follower.py) applies them to their own page tables. Control
 travels through a shared-memory segment between the ranks of one host (shm.py over
-kvcached.core.rounds), or over a gloo group of torch.distributed across hosts (channel.py); the
+kvcached.tp.rounds), or over a gloo group of torch.distributed across hosts (channel.py); the
 gloo group is made either way, beside the model's NCCL group, and carries the set-up.
 
     channel.py   message format, what a transport offers (LinkBase), the gloo transport

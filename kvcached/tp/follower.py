@@ -132,7 +132,7 @@ class Follower:
         """The shared-memory loop: the segment applies and answers every map or unmap of a
         table in ``_fast`` itself, without the GIL around the driver calls and without a Python
         object per page id (RoundSegment.serve); the rest comes here. See Note [Round segment]
-        in core/rounds.pyx."""
+        in tp/rounds.pyx."""
         channel = self.channel
         while True:
             try:

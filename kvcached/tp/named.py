@@ -7,7 +7,7 @@ over such a group. Here the instance is named after its leader's identity (pid a
 the ranks > 0 know it (their parent, for vLLM), so they ``join`` with no message at all and the
 leader ``lead``s later, when it needs them. The files are under /dev/shm:
 
-    kvcached-tp.lead.<pid>.<start>        the round segment (kvcached.core.rounds)
+    kvcached-tp.lead.<pid>.<start>        the round segment (kvcached.tp.rounds)
     kvcached-tp.lead.<pid>.<start>.card   what the ranks tell the leader (JSON), optional
 
 The first rank to join creates the segment complete (initialised under a hidden name, then
@@ -23,7 +23,7 @@ import json
 import os
 import time
 
-from ..core.rounds import RoundSegment
+from .rounds import RoundSegment
 from ..errors import KVCachedConfigError, KVCachedTPError
 from ..shm.files import PID_NS, SHM_DIR, TMP_PREFIX, own_identity, owner_alive, process_start_time
 from .shm import CAPACITY_IDS, FILE_PREFIX, ShmChannel

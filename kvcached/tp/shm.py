@@ -1,12 +1,12 @@
 """The shared-memory transport of a tensor-parallel instance: rounds in one segment that every
-rank of the host maps (kvcached.core.rounds), set up over the instance's gloo group.
+rank of the host maps (kvcached.tp.rounds), set up over the instance's gloo group.
 
 ``rendezvous`` runs in init_kvcached on every rank: rank 0 creates the segment under /dev/shm
 and broadcasts its name over the group; every other rank maps it and records its identity;
 an all-gather tells every rank whether all could; rank 0 then unlinks the file (the mappings
 stay), so a process that dies leaves nothing behind. ``ShmChannel`` is then the link
 (kvcached.tp.channel.LinkBase) that the Leader and the Follower use. See Note [Round segment]
-in kvcached/core/rounds.pyx and Note [Choosing the transport].
+in kvcached/tp/rounds.pyx and Note [Choosing the transport].
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import socket
 
 from ..config import settings
-from ..core.rounds import RoundSegment
+from .rounds import RoundSegment
 from ..errors import KVCachedConfigError
 from ..shm.files import SHM_DIR, create_exclusive, own_identity, owner_alive
 from .channel import ERROR, OK, OP_NAMES, QUERY, LinkBase, Reply, Request
@@ -30,7 +30,7 @@ AUTO_SPIN_MIN_CPUS = 4
 
 def spin_ns() -> int:
     """How long a wait of this process polls before it sleeps, from KVCACHED_TP_SPIN_US. See
-    Note [Polling before sleeping] in kvcached/core/rounds.pyx."""
+    Note [Polling before sleeping] in kvcached/tp/rounds.pyx."""
     spin_us = settings().tp_spin_us
     if spin_us == "auto":
         spin_us = AUTO_SPIN_US if len(os.sched_getaffinity(0)) >= AUTO_SPIN_MIN_CPUS else 0

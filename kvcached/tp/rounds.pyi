@@ -1,4 +1,4 @@
-"""Types of the Python-visible surface of kvcached.core.rounds (Cython): the round segment of a
+"""Types of the Python-visible surface of kvcached.tp.rounds (Cython): the round segment of a
 tensor-parallel instance on one host. Keep in step with rounds.pxd (C interface) and rounds.pyx
 (behaviour). Page ids are int32; sizes in bytes; timeouts in seconds."""
 

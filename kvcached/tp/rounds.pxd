@@ -1,4 +1,4 @@
-# The C-level contract of kvcached.core.rounds: the shared-memory segment over which the scheduling
+# The C-level contract of kvcached.tp.rounds: the shared-memory segment over which the scheduling
 # rank of a tensor-parallel instance sends rounds (map / unmap of page ids, and the rarer control
 # requests) to the other ranks of its host, and they answer. Waiting is on process-shared POSIX
 # semaphores inside the segment, without the GIL. See Note [Round segment] in rounds.pyx.
