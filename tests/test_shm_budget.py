@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _procs import Proc, unique_name, wait_until
+from _procs import Proc, kvctl, unique_name, wait_until
 from kvcached.errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
 from kvcached.shm import budget as kb
 from kvcached.shm.budget import (
@@ -550,7 +550,7 @@ def test_gc_removes_corrupt_budgets_and_keeps_every_other():
                 assert isinstance(scanned.get(n, KVCachedError()), KVCachedError), scanned.get(n)
             assert isinstance(scanned[other], KVCachedError)
             assert scanned[live].held_bytes == MiB // 2
-            removed = remove_broken_budgets()
+            removed = remove_broken_budgets().removed
             for n in broken.values():
                 assert not os.path.exists(kb.budget_path(n))
                 assert "not a kvcached budget" in removed.get(n, "not a kvcached budget"), removed
@@ -708,6 +708,29 @@ def test_a_killed_holder_drops_out_and_the_survivor_is_uncapped(name):
         survivor.check_invariants()
 
 
+def test_a_stopped_holders_demand_stops_capping_the_others(name):
+    """A SIGSTOPped holder's last demand kept every other holder capped: once its heartbeat is
+    older than the budget's stale_after_s its demand no longer counts (its memory still does),
+    and it counts again once the holder runs and beats again."""
+    set_budget(name, 8 * MiB, stale_after_s=1.0)
+    with Budget.open(name) as survivor, Proc("budget-demand", name, str(8 * MiB)) as other:
+        assert survivor.try_acquire(8 * MiB)
+        wait_until(lambda: survivor.cap_bytes() == 4 * MiB, 60, "the survivor capped")
+        os.kill(other.pid, signal.SIGSTOP)
+        try:
+            wait_until(lambda: survivor.cap_bytes() == kb.I64_MAX, 60, "the survivor uncapped")
+            (stopped,) = [h for h in read_budget(name).holders if h.pid == other.pid]
+            assert stopped.alive and stopped.stale and stopped.demand_bytes == 8 * MiB
+            line = next(ln for ln in kvctl("budget", name).stdout.splitlines()
+                        if f"pid {other.pid:>8}" in ln)
+            assert "  stale  " in line and "demand 8.00 MiB" in line
+        finally:
+            os.kill(other.pid, signal.SIGCONT)
+        wait_until(lambda: survivor.cap_bytes() == 4 * MiB, 60, "the survivor capped again")
+        assert not any(h.stale for h in survivor.snapshot().holders)
+        survivor.check_invariants()
+
+
 def test_a_version_2_budget_is_left_alone(name):
     set_budget(name, MiB)
     with open(kb.budget_path(name), "r+b") as f:
@@ -715,5 +738,5 @@ def test_a_version_2_budget_is_left_alone(name):
         f.write(struct.pack("=I", 2))
     with pytest.raises(KVCachedError, match="layout version 2"):
         Budget.open(name)
-    assert name not in remove_broken_budgets()
+    assert name not in remove_broken_budgets().removed
     assert os.path.exists(kb.budget_path(name))

@@ -62,13 +62,13 @@ def test_sigkilled_owner_is_stale_and_collected():
         snap = read_segment(name)
     assert (snap.alive, snap.stale) == (False, True)
     assert name in {s.name for s in list_segments() if s.stale}
-    assert gc_segments().get(name, "owner dead") == "owner dead"  # (or a concurrent gc took it)
+    assert gc_segments().removed.get(name, "owner dead") == "owner dead"  # (or a concurrent gc took it)
     with pytest.raises(KVCachedError, match="no kvcached instance named"):
         read_segment(name)
 
 
 def test_gc_keeps_live_segments(tracker):
-    assert tracker.name not in gc_segments()
+    assert tracker.name not in gc_segments().removed
     assert read_segment(tracker.name).alive
 
 
@@ -148,7 +148,7 @@ def test_gc_removes_files_that_are_not_segments():
         f.write(b"KVCT")
     with open(foreign, "wb") as f:
         f.write(b"\x1b]0;pwned\x07".ljust(seg.SEGMENT_BYTES, b"\0"))
-    removed = gc_segments()
+    removed = gc_segments().removed
     for path in (short, foreign):  # removed by this gc (or by a concurrent test's)
         assert not os.path.exists(path)
         assert removed.get(os.path.basename(path)[len(seg.SEGMENT_PREFIX):],

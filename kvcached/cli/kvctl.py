@@ -3,7 +3,9 @@
 It reads and writes the instances' shared-memory segments (kvcached.shm.client) and the
 budget segments (kvcached.shm.budget) directly; no daemon is involved. Exit status: 0 success,
 1 bad input or unknown name, 2 usage error, 3 the instance rejected the request, 4 it did not
-answer within --timeout.
+answer within --timeout. An entry at a kvcached name that cannot be read (no regular file of
+this user, a file that is no segment or budget) is named on stderr with the fix and skipped;
+`gc` reports what it left, and exits 0 (see Note [Files in /dev/shm] in kvcached.shm.files).
 """
 
 from __future__ import annotations
@@ -84,15 +86,19 @@ def _table(rows: list[list[str]], right: set[int]) -> str:
         for row in rows)
 
 
-def _snapshots(warn: bool = True) -> list[Snapshot]:
-    snaps = []
+def read_instances(prog: str = "kvctl", warn: bool = True) -> tuple[list[Snapshot], int]:
+    """(snapshots of the readable segments, number of unreadable entries skipped); with
+    ``warn``, each skipped one is named on stderr with why and the fix."""
+    snaps, skipped = [], 0
     for name, snap in scan_segments():
         if isinstance(snap, Snapshot):
             snaps.append(snap)
-        elif warn:
-            print(f"kvctl: skipped segment {printable(name)!r}: {printable(str(snap))}",
+            continue
+        skipped += 1
+        if warn:
+            print(f"{prog}: skipped segment {printable(name)!r}: {printable(str(snap))}",
                   file=sys.stderr)
-    return snaps
+    return snaps, skipped
 
 
 def budget_shares() -> dict[int, list[dict]]:
@@ -124,7 +130,7 @@ def format_cap(cap_bytes: int) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    snaps = _snapshots()
+    snaps, _ = read_instances()
     if args.json:
         shares = budget_shares()
         print(json.dumps([_json_snapshot(s, shares) for s in snaps], indent=2))
@@ -218,7 +224,7 @@ def cmd_watch(args: argparse.Namespace) -> int:
                 time.sleep(args.interval)
             polls += 1
             now = time.strftime("%H:%M:%S")
-            current = {s.name: s for s in _snapshots(warn=polls == 1)}
+            current = {s.name: s for s in read_instances(warn=polls == 1)[0]}
             for name in sorted(set(seen) - set(current)):
                 print(f"{now} - {printable(name)} gone", flush=True)
                 del seen[name]
@@ -239,16 +245,17 @@ def cmd_watch(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    removed = gc_segments()
-    broken = remove_broken_budgets()
+    segments = gc_segments(force=args.force)
+    budgets = remove_broken_budgets(force=args.force)
     recovered = gc_budgets()
-    for name, why in removed.items():
-        print(f"removed segment {printable(name)} ({why})")
-    for name, why in broken.items():
-        print(f"removed budget {printable(name)} ({printable(why)})")
+    for what, sweep in (("segment", segments), ("budget", budgets)):
+        for name, why in sweep.removed.items():
+            print(f"removed {what} {printable(name)} ({printable(why)})")
+        for name, why in sweep.kept.items():
+            print(f"kvctl gc: kept {what} {printable(name)!r}: {printable(why)}", file=sys.stderr)
     for name, nbytes in recovered.items():
         print(f"budget {printable(name)}: recovered {format_bytes(nbytes)} from dead holders")
-    if not removed and not broken and not recovered:
+    if not segments.removed and not budgets.removed and not recovered:
         print("nothing to clean")
     return EXIT_OK
 
@@ -315,8 +322,9 @@ def _print_budget(snap: BudgetSnapshot) -> None:
           f"{format_bytes(snap.recovered_bytes)}; holders of other pid namespaces are dead "
           f"after {snap.stale_after_s:g} s without a heartbeat")
     for h in snap.holders:
+        state = "dead" if not h.alive else "stale" if h.stale else "alive"
         print(f"  pid {h.pid:>8}  {format_bytes(h.held_bytes):>12}  "
-              f"{'alive' if h.alive else 'dead'}  share {format_bytes(h.share_bytes)}  cap "
+              f"{state}  share {format_bytes(h.share_bytes)}  cap "
               f"{format_cap(h.cap_bytes)}  demand {format_bytes(h.demand_bytes)}  weight "
               f"{h.weight:g}  min {format_bytes(h.min_bytes)}")
 
@@ -369,14 +377,20 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Remove the segments of dead instances, the files at segment "
                                    "or budget names that are no segment or budget (truncated or "
                                    "overwritten), and take back what dead processes held in "
-                                   "budgets.")
+                                   "budgets. Entries that are no regular file (a FIFO, a "
+                                   "directory, a link) and other users' files are reported "
+                                   "and kept.")
+    p.add_argument("--force", action="store_true",
+                   help="also remove this user's entries at kvcached names that are no regular "
+                        "file (FIFO, link, socket, empty directory); never another user's")
     p.set_defaults(run=cmd_gc)
 
     p = sub.add_parser("delete", help="remove an instance's segment",
                        description="Remove the segment of instance NAME (refused while it is "
                                    "alive, unless --force).")
     p.add_argument("name", metavar="NAME")
-    p.add_argument("--force", action="store_true", help="remove it even if the owner is alive")
+    p.add_argument("--force", action="store_true",
+                   help="remove whatever has the name, even if the owner is alive")
     p.set_defaults(run=cmd_delete)
 
     p = sub.add_parser("budget", help="list, show, size or delete global budgets",
@@ -427,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `kvctl list | head`: quiet, like other Unix tools
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except OSError as exc:  # a file changed under us: say which, without a traceback
+        print(f"kvctl {args.command}: {printable(str(exc))}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

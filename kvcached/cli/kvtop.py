@@ -15,10 +15,10 @@ import os
 import sys
 import time
 
-from ..shm.client import list_segments
+from ..errors import KVCachedError
 from ..shm.segment import Snapshot
 from ..sizes import format_bytes
-from .kvctl import budget_shares, format_cap, printable, state_of
+from .kvctl import budget_shares, format_cap, printable, read_instances, state_of
 
 LEGEND = "# used  + reserved  . free  | limit"
 
@@ -35,13 +35,17 @@ def bar(snap: Snapshot, cells: int) -> str:
     return "".join(chars)
 
 
-def render(snaps: list[Snapshot], width: int, shares: dict[int, list[dict]] | None = None) -> list[str]:
+def render(snaps: list[Snapshot], width: int, shares: dict[int, list[dict]] | None = None,
+           skipped: int = 0) -> list[str]:
     """One frame: a header, then two lines per instance (figures, bar), ``width`` columns.
     ``shares`` (``kvctl.budget_shares``): an instance whose process holds a budget slot also
-    shows its fair share and its cap there ("none": uncapped)."""
+    shows its fair share and its cap there ("none": uncapped). ``skipped``: entries at segment
+    names that could not be read, counted in the header (``kvctl list`` names them)."""
     width = max(20, width)
     lines = [f"kvtop  {len(snaps)} instance(s)  {time.strftime('%H:%M:%S')}  q: quit"[:width],
              LEGEND[:width]]
+    if skipped:
+        lines.insert(1, f"{skipped} unreadable segment(s) skipped: `kvctl list` says why"[:width])
     if not snaps:
         lines.append("no kvcached instances")
     for s in snaps:
@@ -72,7 +76,8 @@ def _loop(stdscr: curses.window, interval_s: float) -> int:
     stdscr.timeout(max(1, int(interval_s * 1000)))
     while True:
         height, width = stdscr.getmaxyx()
-        lines = render(list_segments(), width - 1, budget_shares())
+        snaps, skipped = read_instances(warn=False)
+        lines = render(snaps, width - 1, budget_shares(), skipped)
         if len(lines) > height:
             hidden_lines = len(lines) - (height - 1)
             lines = lines[: height - 1] + [
@@ -118,7 +123,12 @@ def main(argv: list[str] | None = None) -> int:
                 width = os.get_terminal_size().columns
             except OSError:
                 width = 100
-        print("\n".join(render(list_segments(), width, budget_shares())))
+        try:
+            snaps, skipped = read_instances("kvtop")
+            print("\n".join(render(snaps, width, budget_shares(), skipped)))
+        except (KVCachedError, OSError) as exc:  # a file changed under us: no traceback
+            print(f"kvtop: {printable(str(exc))}", file=sys.stderr)
+            return 1
         return 0
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         parser.exit(2, "kvtop: error: needs a terminal; use --once to print one frame\n")

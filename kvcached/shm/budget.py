@@ -34,19 +34,26 @@ Protocol (every process follows it; readers included):
   and added to ``recovered_bytes``. A live process of this namespace is never reclaimed, however
   old its heartbeat.
 * The file persists while no one holds it (the operator's setting); ``kvctl budget NAME
-  --delete`` removes it (``--force``: whatever the file holds). A file at a budget's name that no
-  kvcached can read as a budget (truncated or overwritten by another program) is shown by
-  ``kvctl budget`` and removed by ``kvctl gc``; a budget of another layout version is left alone.
+  --delete`` removes it (``--force``: whatever has its name). A file at a budget's name that no
+  kvcached can read as a budget (truncated or overwritten by another program, or holding an
+  accounting field out of range) is shown by ``kvctl budget`` and removed by ``kvctl gc``; a
+  budget of another layout version is left alone; an entry that is no regular file of this user
+  is never opened as one (Note [Files in /dev/shm] in files).
 
 Sharing (Note [Fair shares] and Note [Caps that conserve work] in fairness): under the
 ``fair`` policy (the default of a new budget) every holder publishes its weight, minimum and
 demand (bytes it waits for beyond what it holds) in its slot, and computes from one copy of the
 segment the weighted max-min fair share of every live holder, and its own cap: its share while
-another holder is below its own share with demand waiting, else none. ``try_acquire`` refuses
-what would take the holder past its cap. Under ``first_come`` nobody is capped (version 2's
-behaviour). Values a slot or the header holds that no kvcached writes (a weight <= 0, a negative
-minimum, held or demand, a policy of neither value) are read as the default (weight 1,
-minimum 0, demand 0, the fair policy); they never make a holder fail.
+another holder is below its own share with demand waiting, else none. A holder whose heartbeat
+is older than ``stale_after_s`` (stopped, or frozen) keeps what it holds but its demand counts as
+0 (Note [Demand of a stopped holder]). ``try_acquire`` refuses what would take the holder past
+its cap. Under ``first_come`` nobody is capped (version 2's behaviour). Share values a slot or
+the header holds that no kvcached writes (a weight <= 0, a negative minimum or demand, a policy
+of neither value, a stale_after outside its bounds) are read as the default (weight 1,
+minimum 0, demand 0, the fair policy, STALE_AFTER_S); they never make a holder fail. The
+accounting fields are another matter: a header size, total or slot (pid, start time, pid
+namespace, held bytes, heartbeat) out of range, a free slot holding bytes, or slots summing past
+an i64 make the file no budget (Note [Budget fields another program wrote]).
 
 Segment layout, version 3 (native byte order)
 
@@ -83,19 +90,25 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from ..checks import as_int
 from ..errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
 from ..limits import I64_MAX
 from .fairness import UNCAPPED, Claim, caps, fair_shares
 from .files import (
+    MAX_PID,
     SHM_DIR,
+    ShmFileError,
+    ShmKind,
+    Sweep,
     create_exclusive,
+    open_checked,
     own_identity,
     owner_alive,
     pid_now,
+    remove_entry,
     replace_if_dead,
     validate_name,
 )
@@ -122,15 +135,32 @@ STALE_AFTER_S = 10.0
 MIN_STALE_AFTER_S = 0.5
 
 _HEADER = struct.Struct("=4sI8q248s")
-_HEAD = struct.Struct("=4sI3q")  # magic, version, segment_bytes, budget_bytes, held_bytes
+_HEADER_WORDS = struct.Struct("=9q")  # word 0 is magic and version; 1 segment_bytes ... 8 policy
 _SLOT = struct.Struct("=10q")
 _WORD = struct.Struct("=q")
-_W_BUDGET, _W_HELD, _W_NUM_SLOTS, _W_RECOVERED, _W_STALE, _W_POLICY = 2, 3, 4, 6, 7, 8
+(_W_SEGMENT, _W_BUDGET, _W_HELD, _W_NUM_SLOTS, _W_CREATED, _W_RECOVERED, _W_STALE,
+ _W_POLICY) = range(1, 9)
 (_SLOT_PID, _SLOT_START, _SLOT_NS, _SLOT_HELD, _SLOT_TOKEN, _SLOT_HEARTBEAT, _SLOT_DEMAND,
  _SLOT_WEIGHT, _SLOT_MIN, _SLOT_CAP) = range(10)
 _SLOT_WORDS = 10
 
 assert _HEADER.size == SLOTS_OFFSET and _SLOT.size == SLOT_BYTES
+
+BUDGET_FILES = ShmKind(
+    "kvcached budget", BUDGET_PREFIX, 8,
+    fix="remove it (`kvctl gc`, or `kvctl budget {name} --delete --force`)",
+    force_fix="`kvctl budget {name} --delete --force` or `kvctl gc --force` removes it")
+
+# (field, word, low, high) of every accounting word kvcached writes; a value outside makes the
+# file no budget. See Note [Budget fields another program wrote].
+_ANY = (0, I64_MAX)
+_HEADER_BOUNDS = (("segment_bytes", _W_SEGMENT, SEGMENT_BYTES, SEGMENT_BYTES),
+                  ("budget_bytes", _W_BUDGET, *_ANY), ("held_bytes", _W_HELD, *_ANY),
+                  ("num_slots", _W_NUM_SLOTS, NUM_SLOTS, NUM_SLOTS),
+                  ("created_ns", _W_CREATED, *_ANY), ("recovered_bytes", _W_RECOVERED, *_ANY))
+_SLOT_BOUNDS = (("pid", _SLOT_PID, 0, MAX_PID), ("start_time", _SLOT_START, *_ANY),
+                ("pid_ns", _SLOT_NS, *_ANY), ("held_bytes", _SLOT_HELD, *_ANY),
+                ("heartbeat_ns", _SLOT_HEARTBEAT, *_ANY))
 
 # Test hook: called by Budget._add between the slot's write and the total's (tests SIGKILL the
 # process there to check that nothing leaks). See Note [The total is the sum of the slots].
@@ -148,6 +178,42 @@ def _slot_word(slot: int, field: int) -> int:
 
 def _check_size(field: str, value: object) -> int:
     return as_int(value, field, minimum=0, maximum=I64_MAX, hint="bytes")
+
+
+def _out_of_range(words: Sequence[int], bounds: tuple, where: str) -> str | None:
+    for field, index, low, high in bounds:
+        if not low <= words[index] <= high:
+            return f"{where}{field} is {words[index]}, outside [{low}, {high}]"
+    return None
+
+
+def _header_problem(raw: bytes) -> str | None:
+    """Why the header at the start of ``raw`` (of this layout version) is none kvcached wrote,
+    or None."""
+    return _out_of_range(_HEADER_WORDS.unpack_from(raw), _HEADER_BOUNDS, "")
+
+
+def _slots_problem(slots: Sequence[_Slot], first: int = 0, together: bool = True) -> str | None:
+    """Why ``slots`` (slot ``first`` on) are none kvcached wrote, or None: a word out of range;
+    and if ``together`` (the whole table, copied under the flock, where no write of a pid or
+    held is half done) a free slot holding bytes or slots summing past an i64. O(slots)."""
+    for index, slot in enumerate(slots, first):
+        why = _out_of_range(slot, _SLOT_BOUNDS, f"slot {index}'s ")
+        if why is not None:
+            return why
+        if together and not slot[_SLOT_PID] and slot[_SLOT_HELD]:
+            return f"slot {index} is free but its held_bytes is {slot[_SLOT_HELD]}, outside [0, 0]"
+    total = sum(slot[_SLOT_HELD] for slot in slots) if together else 0
+    if total > I64_MAX:
+        return f"slots' held_bytes sum to {total}, outside [0, {I64_MAX}]"
+    return None
+
+
+def _stale_ns(value: int) -> int:
+    """The header's stale_after_ns as used: one outside what ``set_budget`` accepts (no kvcached
+    writes it) is the default."""
+    low, high = int(MIN_STALE_AFTER_S * 1e9), 86400 * 10**9
+    return value if low <= value <= high else int(STALE_AFTER_S * 1e9)
 
 
 def _check_stale_after(stale_after_s: float) -> int:
@@ -186,16 +252,27 @@ def _identity(slot: _Slot) -> _Identity:
 class _Segment:
     """An open budget file, read with pread and written with pwrite (never mapped: a mapping of a
     file another program truncates faults, see Note [A segment changed by another process] in
-    segment). Callers hold its flock to change it."""
+    segment). Callers hold its flock to change it. Every word it reads is range-checked where it
+    is read (``head``, ``slot``, ``slots``): See Note [Budget fields another program wrote]."""
 
-    def __init__(self, name: str, path: str, open_path: str | None = None) -> None:
+    def __init__(self, name: str, path: str, fd: int | None = None) -> None:
+        """Open the budget file at ``path`` (``files.open_checked``), or take ``fd``.
+
+        Raises:
+            KVCachedError: nothing there (the message says how to create it), an entry that is
+                no regular file of this user (ShmFileError), or a file that is no budget of this
+                layout version. Nothing is left open.
+        """
         self.name, self.path = name, path
-        try:
-            self.fd = os.open(open_path or path, os.O_RDWR)
-        except FileNotFoundError:
-            raise KVCachedError(
-                f"no budget named {name!r} ({path} does not exist); create it with "
-                f"`kvctl budget {name} SIZE` or Budget.open({name!r}, budget_bytes=...)") from None
+        if fd is None:
+            try:
+                fd = open_checked(path, BUDGET_FILES, writable=True)
+            except FileNotFoundError:
+                raise KVCachedError(
+                    f"no budget named {name!r} ({path} does not exist); create it with "
+                    f"`kvctl budget {name} SIZE` or Budget.open({name!r}, budget_bytes=...)"
+                ) from None
+        self.fd = fd
         try:
             self.head()
         except BaseException:
@@ -208,19 +285,36 @@ class _Segment:
     def unlock(self) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)
 
-    def _pread(self, nbytes: int, offset: int) -> bytes:
+    def _pread(self, nbytes: int, offset: int, whole: bool = True) -> bytes:
         raw = os.pread(self.fd, nbytes, offset)
-        if len(raw) < nbytes:
-            raise _BrokenBudget(
-                f"{self.path} is no budget any more: another program truncated it; remove it "
-                f"(`kvctl gc`, or `kvctl budget {self.name} --delete --force`), create it again "
-                "and restart its holders")
+        if whole and len(raw) < nbytes:
+            raise self._truncated()
         return raw
+
+    def _truncated(self) -> _BrokenBudget:
+        return _BrokenBudget(
+            f"{self.path} is no budget any more: another program truncated it; remove it "
+            f"(`kvctl gc`, or `kvctl budget {self.name} --delete --force`), create it again "
+            "and restart its holders")
+
+    def broken(self, why: str) -> _BrokenBudget:
+        """The error for a word (``why``) no kvcached writes."""
+        return _BrokenBudget(
+            f"{self.path}: {why}: no kvcached writes that, another program changed the file; "
+            f"remove it (`kvctl gc`, or `kvctl budget {self.name} --delete --force`), create it "
+            "again and restart its holders")
 
     def head(self) -> tuple[int, int]:
         """(budget_bytes, held_bytes), after checking the file still is a budget of this
-        layout version. One pread."""
-        magic, version, _, budget, held = _HEAD.unpack(self._pread(_HEAD.size, 0))
+        layout version with its header words in range. One pread."""
+        return self._header(self._pread(SLOTS_OFFSET, 0, whole=False))
+
+    def _header(self, raw: bytes) -> tuple[int, int]:
+        """(budget_bytes, held_bytes) of the header at the start of ``raw`` (a copy of the file's
+        start, maybe short), checked: magic and version first, then length and words."""
+        if len(raw) < 8:
+            raise self._truncated()
+        magic, version = struct.unpack_from("=4sI", raw)
         if magic != MAGIC:
             raise _BrokenBudget(
                 f"{self.path} is not a kvcached budget (magic {magic!r}); remove it (`kvctl gc`, "
@@ -230,6 +324,12 @@ class _Segment:
                 f"{self.path} is a kvcached budget of layout version {version}; this kvcached "
                 f"reads version {VERSION}: use the kvctl of the kvcached that created it, or "
                 f"remove it (`kvctl budget {self.name} --delete --force`) and create it again")
+        if len(raw) < SLOTS_OFFSET:
+            raise self._truncated()
+        why = _header_problem(raw)
+        if why is not None:
+            raise self.broken(why)
+        _, _, _, budget, held, *_ = _HEADER.unpack_from(raw)
         return budget, held
 
     def word(self, index: int) -> int:
@@ -240,23 +340,34 @@ class _Segment:
         os.pwrite(self.fd, struct.pack(f"={len(values)}q", *values), index * 8)
 
     def slot(self, slot: int) -> _Slot:
-        return _SLOT.unpack(self._pread(SLOT_BYTES, SLOTS_OFFSET + slot * SLOT_BYTES))
+        """Slot ``slot``, its words checked: one pread."""
+        fields = _SLOT.unpack(self._pread(SLOT_BYTES, SLOTS_OFFSET + slot * SLOT_BYTES))
+        why = _slots_problem([fields], slot, together=False)
+        if why is not None:
+            raise self.broken(why)
+        return fields
 
-    def slots(self) -> list[_Slot]:
-        """Every slot: one pread of the table."""
-        raw = self._pread(NUM_SLOTS * SLOT_BYTES, SLOTS_OFFSET)
-        return [_SLOT.unpack_from(raw, i * SLOT_BYTES) for i in range(NUM_SLOTS)]
+    def slots(self, together: bool = True) -> list[_Slot]:
+        """Every slot, checked (``together``: as a table, which only a copy taken under the
+        flock can be; see ``_slots_problem``): one pread of the table."""
+        return self._slots(self._pread(NUM_SLOTS * SLOT_BYTES, SLOTS_OFFSET), together)
+
+    def _slots(self, raw: bytes, together: bool) -> list[_Slot]:
+        slots = [_SLOT.unpack_from(raw, i * SLOT_BYTES) for i in range(NUM_SLOTS)]
+        why = _slots_problem(slots, together=together)
+        if why is not None:
+            raise self.broken(why)
+        return slots
 
     def stale_after_ns(self) -> int:
-        value = self.word(_W_STALE)
-        return value if value > 0 else int(STALE_AFTER_S * 1e9)
+        return _stale_ns(self.word(_W_STALE))
 
     def find_dead(self) -> list[tuple[int, _Identity, bool]]:
         """(slot, identity, judged by heartbeat) of every holder found dead. Reads /proc, so it
         runs without the flock; ``reclaim`` checks each again under the lock. O(slots). See
         Note [No /proc under the flock]."""
         now, stale, dead = time.time_ns(), self.stale_after_ns(), []
-        for index, slot in enumerate(self.slots()):
+        for index, slot in enumerate(self.slots(together=False)):
             pid, start, pid_ns = slot[_SLOT_PID], slot[_SLOT_START], slot[_SLOT_NS]
             if not pid:
                 continue
@@ -271,7 +382,8 @@ class _Segment:
     def reclaim(self, dead: list[tuple[int, _Identity, bool]]) -> int:
         """Free the slots ``find_dead`` found that still hold the same handle (and, judged by
         heartbeat, still have not beaten); recount the total. Assumes LOCK_EX. The bytes taken
-        back."""
+        back (recovered_bytes, a running total, stops at I64_MAX)."""
+        self.head()  # still a budget: only then free slots in it
         now, stale, recovered = time.time_ns(), self.stale_after_ns(), 0
         slots = self.slots()
         for index, ident, by_heartbeat in dead:
@@ -283,13 +395,13 @@ class _Segment:
             recovered += slot[_SLOT_HELD]
             self.clear_slot(index)
             slots[index] = (0,) * _SLOT_WORDS
-        self.write(_W_RECOVERED, self.word(_W_RECOVERED) + recovered)
+        self.write(_W_RECOVERED, min(I64_MAX, self.word(_W_RECOVERED) + recovered))
         self.recount(slots)
         return recovered
 
     def recount(self, slots: list[_Slot] | None = None) -> None:
-        """Set the total to the sum of the slots. Assumes LOCK_EX. O(slots). See
-        Note [The total is the sum of the slots]."""
+        """Set the total to the sum of the slots (as checked by ``slots``: it fits an i64).
+        Assumes LOCK_EX. O(slots). See Note [The total is the sum of the slots]."""
         self.write(_W_HELD, sum(slot[_SLOT_HELD] for slot in (slots or self.slots())))
 
     def clear_slot(self, slot: int) -> None:
@@ -299,40 +411,45 @@ class _Segment:
         """The budget, copied under LOCK_SH and judged (/proc) after the unlock."""
         self.lock(exclusive=False)
         try:
-            self.head()
-            raw = self._pread(SEGMENT_BYTES, 0)
+            raw = self._pread(SEGMENT_BYTES, 0, whole=False)
         finally:
             self.unlock()
-        return _parse(self.name, self.path, raw)
+        self._header(raw)
+        if len(raw) < SEGMENT_BYTES:
+            raise self._truncated()
+        return _parse(self.name, self.path, raw, self._slots(raw[SLOTS_OFFSET:], together=True))
 
     def reopen(self) -> _Segment:
         """The same file (not the file now at its path) in a new open file description, whose
         flock excludes this one's as another process's would. See Note [Shares without the
-        flock]."""
-        return _Segment(self.name, self.path, f"/proc/self/fd/{self.fd}")
+        flock]. Opened through /proc's link to this fd, which O_NOFOLLOW would refuse: it can
+        only name the file already checked."""
+        fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+        return _Segment(self.name, self.path, fd)
 
     def close(self) -> None:
         os.close(self.fd)
 
 
-def _parse(name: str, path: str, raw: bytes) -> BudgetSnapshot:
+def _parse(name: str, path: str, raw: bytes, slots: list[_Slot]) -> BudgetSnapshot:
+    """The snapshot of a copy ``raw`` whose header and ``slots`` are checked; judges the holders
+    (/proc: never under the flock)."""
     _, _, _, budget, held, _, created, recovered, stale_ns, policy, _ = _HEADER.unpack_from(raw)
-    stale_ns = stale_ns if stale_ns > 0 else int(STALE_AFTER_S * 1e9)
+    stale_ns = _stale_ns(stale_ns)
     now, found = time.time_ns(), []
-    for slot in range(NUM_SLOTS):
-        fields = _SLOT.unpack_from(raw, SLOTS_OFFSET + slot * SLOT_BYTES)
+    for slot, fields in enumerate(slots):
         pid, start, pid_ns = fields[_SLOT_PID], fields[_SLOT_START], fields[_SLOT_NS]
         if pid:
-            dead = _slot_dead(pid, start, pid_ns, fields[_SLOT_HEARTBEAT], stale_ns, now)
-            found.append((slot, fields, not dead))
-    live = [(slot, _claim(fields)) for slot, fields, alive in found if alive]
-    shares = dict(zip((slot for slot, _ in live),
-                      fair_shares(max(0, budget), [claim for _, claim in live])))
-    holders = tuple(
-        Holder(slot, fields[_SLOT_PID], fields[_SLOT_HELD], alive, fields[_SLOT_HEARTBEAT],
-               _weight_milli(fields[_SLOT_WEIGHT]) / 1000, max(0, fields[_SLOT_MIN]),
-               max(0, fields[_SLOT_DEMAND]), fields[_SLOT_CAP], shares.get(slot, 0))
-        for slot, fields, alive in found)
+            heartbeat = fields[_SLOT_HEARTBEAT]
+            alive = not _slot_dead(pid, start, pid_ns, heartbeat, stale_ns, now)
+            found.append(Holder(
+                slot, pid, fields[_SLOT_HELD], alive, heartbeat,
+                _weight_milli(fields[_SLOT_WEIGHT]) / 1000, max(0, fields[_SLOT_MIN]),
+                max(0, fields[_SLOT_DEMAND]), fields[_SLOT_CAP], 0,
+                stale=alive and now - heartbeat > stale_ns))
+    live = [h for h in found if h.alive]
+    shares = dict(zip((h.slot for h in live), fair_shares(budget, [_claim(h) for h in live])))
+    holders = tuple(replace(h, share_bytes=shares.get(h.slot, 0)) for h in found)
     return BudgetSnapshot(name, path, budget, held, recovered, created, stale_ns / 1e9, holders,
                           _policy_name(policy))
 
@@ -348,10 +465,11 @@ def _policy_name(value: int) -> str:
     return POLICIES[value] if 0 <= value < len(POLICIES) else DEFAULT_POLICY
 
 
-def _claim(fields: _Slot) -> Claim:
-    """A live slot's claim, negative fields (no kvcached writes them) read as 0."""
-    return Claim(_weight_milli(fields[_SLOT_WEIGHT]), max(0, fields[_SLOT_MIN]),
-                 max(0, fields[_SLOT_HELD]), max(0, fields[_SLOT_DEMAND]))
+def _claim(holder: Holder) -> Claim:
+    """What a live holder claims in the fair-share computation: its weight, minimum and held
+    bytes, and its demand unless its heartbeat is stale. See Note [Demand of a stopped holder]."""
+    return Claim(round(holder.weight * 1000), holder.min_bytes, holder.held_bytes,
+                 0 if holder.stale else holder.demand_bytes)
 
 
 def _check_policy(policy: object) -> int:
@@ -376,7 +494,9 @@ def check_weight(weight: object) -> int:
 @dataclass(frozen=True, slots=True)
 class Holder:
     """One claimed slot. ``alive`` is False only when the holder is known to be dead (Note [Slot
-    heartbeats]). ``share_bytes`` is its fair share as computed from this copy (0 for a dead
+    heartbeats]); ``stale`` is True for a live holder whose heartbeat is older than the budget's
+    stale_after_s (stopped or frozen): its demand does not count (Note [Demand of a stopped
+    holder]). ``share_bytes`` is its fair share as computed from this copy (0 for a dead
     holder); ``cap_bytes`` the cap it computed and published last (I64_MAX: uncapped)."""
 
     slot: int
@@ -389,6 +509,7 @@ class Holder:
     demand_bytes: int
     cap_bytes: int
     share_bytes: int
+    stale: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,9 +532,7 @@ class BudgetSnapshot:
         live = [h for h in self.holders if h.alive]
         if self.policy != "fair":
             return {h.slot: UNCAPPED for h in live}
-        claims = [Claim(round(h.weight * 1000), h.min_bytes, max(0, h.held_bytes), h.demand_bytes)
-                  for h in live]
-        return dict(zip((h.slot for h in live), caps(max(0, self.budget_bytes), claims,
+        return dict(zip((h.slot for h in live), caps(self.budget_bytes, [_claim(h) for h in live],
                                                      [h.share_bytes for h in live])))
 
     def to_dict(self) -> dict:
@@ -423,7 +542,8 @@ class BudgetSnapshot:
             "created_ns": self.created_ns, "stale_after_s": self.stale_after_s,
             "policy": self.policy,
             "holders": [{"slot": h.slot, "pid": h.pid, "held_bytes": h.held_bytes,
-                         "alive": h.alive, "heartbeat_ns": h.heartbeat_ns, "weight": h.weight,
+                         "alive": h.alive, "stale": h.stale, "heartbeat_ns": h.heartbeat_ns,
+                         "weight": h.weight,
                          "min_bytes": h.min_bytes, "demand_bytes": h.demand_bytes,
                          "share_bytes": h.share_bytes, "cap_bytes": h.cap_bytes}
                         for h in self.holders],
@@ -459,7 +579,7 @@ def set_budget(name: str, budget_bytes: int, stale_after_s: float | None = None,
     stale_ns = None if stale_after_s is None else _check_stale_after(stale_after_s)
     policy_value = None if policy is None else _check_policy(policy)
     path = budget_path(name)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         _create(name, budget_bytes, stale_ns or int(STALE_AFTER_S * 1e9),
                 _check_policy(DEFAULT_POLICY) if policy_value is None else policy_value)
     words = {_W_BUDGET: budget_bytes, _W_STALE: stale_ns, _W_POLICY: policy_value}
@@ -587,53 +707,65 @@ def list_budgets() -> list[BudgetSnapshot]:
 
 def invalid_budget(raw: bytes) -> str | None:
     """Why ``raw`` (a file's first SEGMENT_BYTES bytes or fewer) cannot be a budget of any layout
-    version, or None if it may be one. Never says so of a budget another kvcached version wrote:
-    only a file of this version can be known to be truncated."""
+    version, or None if it may be one: too short, another magic, or (this version only)
+    truncated or holding an accounting word no kvcached writes (Note [Budget fields another
+    program wrote]). Never says so of a budget another kvcached version wrote. O(slots)."""
     if len(raw) < 8:
         return f"{len(raw)} bytes, not a kvcached budget"
     if raw[:4] != MAGIC:
         return f"magic {raw[:4]!r}, not a kvcached budget"
-    if struct.unpack_from("=I", raw, 4)[0] == VERSION and len(raw) < SEGMENT_BYTES:
+    if struct.unpack_from("=I", raw, 4)[0] != VERSION:
+        return None
+    if len(raw) < SEGMENT_BYTES:
         return (f"{len(raw)} bytes, not a kvcached budget any more (truncated; a budget is "
                 f"{SEGMENT_BYTES} bytes)")
-    return None
+    return _header_problem(raw) or _slots_problem(
+        [_SLOT.unpack_from(raw, SLOTS_OFFSET + i * SLOT_BYTES) for i in range(NUM_SLOTS)])
 
 
-def remove_broken_budgets() -> dict[str, str]:
-    """Remove the files at budget names that cannot be budgets (truncated or overwritten by
-    another program: their holders already stopped counting against them, see ``release``);
-    {name: why}. A budget of another layout version is kept. Each file is judged again under
-    its flock just before the unlink, so a budget created anew at the name meanwhile stays.
-    O(files)."""
+def remove_broken_budgets(force: bool = False) -> Sweep:
+    """Remove the files of this user at budget names that cannot be budgets (truncated or
+    overwritten by another program: their holders already stopped counting against them, see
+    ``release``); with ``force``, also this user's entries that are no regular file (Note
+    [Files in /dev/shm] in files). What was removed and what was kept, by name, with why. A
+    budget of another layout version is kept. Each file is judged again under its flock just
+    before the unlink, so a budget created anew at the name meanwhile stays. O(files)."""
     def broken(raw: bytes) -> bool:
         return invalid_budget(raw) is not None
 
-    removed = {}
+    sweep = Sweep()
     for entry in _budget_entries():
-        path = os.path.join(SHM_DIR, entry)
+        name, path = entry[len(BUDGET_PREFIX):], os.path.join(SHM_DIR, entry)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue  # removed meanwhile, or another user's: not ours to judge
+            fd = open_checked(path, BUDGET_FILES, whole=False)
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        except ShmFileError as exc:
+            sweep.unusable(name, exc, force)
+            continue
         try:
             why = invalid_budget(os.pread(fd, SEGMENT_BYTES, 0))
         finally:
             os.close(fd)
         try:
-            if why is not None and replace_if_dead(path, broken, SEGMENT_BYTES):
-                removed[entry[len(BUDGET_PREFIX):]] = why
-        except OSError:
-            continue
-    return removed
+            if why is not None and replace_if_dead(path, BUDGET_FILES, broken, SEGMENT_BYTES):
+                sweep.removed[name] = why
+        except (OSError, KVCachedError):
+            continue  # replaced meanwhile by something else: the next gc judges it
+    return sweep
 
 
 def gc_budgets() -> dict[str, int]:
-    """Reclaim the slots of dead holders in every budget; bytes recovered, by budget name."""
+    """Reclaim the slots of dead holders in every budget; bytes recovered, by budget name. A
+    budget that changed meanwhile (removed, replaced, broken) is left to the next gc."""
     recovered = {}
     for snap in list_budgets():
         if all(h.alive for h in snap.holders):
             continue
-        seg = _Segment(snap.name, snap.path)
+        try:
+            seg = _Segment(snap.name, snap.path)
+        except (OSError, KVCachedError):
+            continue
         try:
             dead = seg.find_dead()  # /proc, outside the flock
             seg.lock()
@@ -641,20 +773,23 @@ def gc_budgets() -> dict[str, int]:
                 recovered[snap.name] = seg.reclaim(dead)
             finally:
                 seg.unlock()
+        except (OSError, KVCachedError):
+            continue
         finally:
             seg.close()
     return recovered
 
 
 def delete_budget(name: str, force: bool = False) -> None:
-    """Remove budget ``name``; with ``force``, whatever file has its name: a budget in use, a
-    file another program truncated or overwrote, a budget of another layout version.
+    """Remove budget ``name``; with ``force``, whatever has its name: a budget in use, a file
+    another program truncated or overwrote, a budget of another layout version, a FIFO, a link,
+    an empty directory (``files.remove_entry``).
 
     Raises:
         KVCachedError: no file of that name; the name is invalid; without ``force``: the file is
             not a budget of this version, or live processes hold slots in it (they would go on
-            counting against a budget nobody else sees); or the file cannot be unlinked (the
-            message says why). Nothing removed.
+            counting against a budget nobody else sees); or the entry cannot be removed (a
+            directory that is not empty, no permission: the message says why). Nothing removed.
     """
     path = budget_path(name)
     if not force:
@@ -664,14 +799,12 @@ def delete_budget(name: str, force: bool = False) -> None:
                 f"budget {name!r} is in use by pid(s) {', '.join(map(str, live))}; stop them "
                 f"first or force the removal (kvctl budget {name} --delete --force)")
     try:
-        os.unlink(path)
+        remove_entry(path)
     except FileNotFoundError:
         if force:  # (without it, read_budget said so; a removal since then is no error)
             raise KVCachedError(
                 f"no budget named {name!r} ({path} does not exist); `kvctl budget` lists the "
                 "budgets") from None
-    except OSError as exc:
-        raise KVCachedError(f"cannot remove budget {name!r}: {path}: {exc.strerror}") from None
 
 
 class Budget:
@@ -723,7 +856,9 @@ class Budget:
             KVCachedConfigError: invalid name, size, ``stale_after_s``, policy, weight or
                 minimum; or the budget does not exist and ``budget_bytes`` is None (the message
                 says how to create it).
-            KVCachedError: all NUM_SLOTS slots are held by live processes.
+            KVCachedError: all NUM_SLOTS slots are held by live processes; the entry at its name
+                is no regular file of this user (ShmFileError) or no budget of this version,
+                or holds a word no kvcached writes (the message names it and the fix).
         """
         path = budget_path(name)
         stale_ns = (int(STALE_AFTER_S * 1e9) if stale_after_s is None
@@ -732,9 +867,9 @@ class Budget:
         share = check_weight(weight), _check_size("min_bytes", min_bytes)
         if budget_bytes is not None:
             budget_bytes = _check_size("budget_bytes", budget_bytes)
-            if not os.path.exists(path):
+            if not os.path.lexists(path):
                 _create(name, budget_bytes, stale_ns, policy_value)
-        elif not os.path.exists(path):
+        elif not os.path.lexists(path):
             raise KVCachedConfigError(
                 f"no budget named {name!r}: create it (`kvctl budget {name} 40G`) or pass "
                 "budget_bytes to create it on first use")
@@ -745,9 +880,14 @@ class Budget:
             seg.close()
             raise
         token = int.from_bytes(os.urandom(7), "little") + 1
-        slot = cls._claim(seg, token, share)
-        if slot is None:
-            slot = cls._claim(seg, token, share, dead=seg.find_dead())  # /proc outside the flock
+        try:
+            slot = cls._claim(seg, token, share)
+            if slot is None:
+                slot = cls._claim(seg, token, share, dead=seg.find_dead())  # /proc, no flock
+        except BaseException:
+            seg.close()
+            share_seg.close()
+            raise
         if slot is None:
             seg.close()
             share_seg.close()
@@ -852,7 +992,6 @@ class Budget:
         seg.lock()
         try:
             if dead:
-                seg.head()  # still a budget: only then free slots in it
                 seg.reclaim(dead)
             budget, held = seg.head()
             slot = seg.slot(self._slot)
@@ -901,13 +1040,19 @@ class Budget:
 
     def _add(self, nbytes: int, slot: _Slot, held: int) -> None:
         """Assumes both locks; ``slot`` and ``held`` as just read under them. The slot first,
-        the total second: See Note [The total is the sum of the slots]."""
+        the total second: See Note [The total is the sum of the slots]. _BrokenBudget, before
+        any write, if either would leave [0, I64_MAX] (only a file another program changed
+        gets there)."""
         seg = self._seg
-        seg.write(_slot_word(self._slot, _SLOT_HELD), slot[_SLOT_HELD] + nbytes, self._token,
+        mine, total = slot[_SLOT_HELD] + nbytes, held + nbytes
+        for field, value in ((f"slot {self._slot}'s held_bytes", mine), ("held_bytes", total)):
+            if not 0 <= value <= I64_MAX:
+                raise seg.broken(f"{field} would be {value}, outside [0, {I64_MAX}]")
+        seg.write(_slot_word(self._slot, _SLOT_HELD), mine, self._token,
                   time.time_ns())  # held, token, heartbeat
         if _between_slot_and_total is not None:
             _between_slot_and_total()
-        seg.write(_W_HELD, held + nbytes)
+        seg.write(_W_HELD, total)
         self._held += nbytes
 
     def _beat(self) -> None:
@@ -1059,7 +1204,7 @@ class Budget:
                     slot = seg.slot(self._slot)
                     if slot[_SLOT_TOKEN] == self._token:
                         # The total first: a kill between the two leaves a slot to reclaim.
-                        seg.write(_W_HELD, held - slot[_SLOT_HELD])
+                        seg.write(_W_HELD, max(0, held - slot[_SLOT_HELD]))
                         seg.clear_slot(self._slot)
                 except _BrokenBudget:
                     pass  # nothing left to give back to
@@ -1135,3 +1280,33 @@ class Budget:
 # that still hold the same handle (token, pid, start time, pid namespace: a dead process never
 # comes back, so the verdict still holds) and, for heartbeat verdicts, have not beaten since.
 # Snapshots copy the segment under LOCK_SH and judge the holders after the unlock.
+#
+# Note [Budget fields another program wrote]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Two kinds of word, two answers. The accounting words (header sizes, budget, total and
+# recovered bytes; each slot's pid, start time, pid namespace, held bytes and heartbeat) decide
+# who holds what and whether a holder is dead: a value no kvcached writes there (a pid of 2**32,
+# a negative held, slots summing past an i64, which made struct.pack fail in every new holder and
+# in gc) means the file is no budget any more, exactly as if it were truncated: holders hear it at
+# their next acquire, release drops the bytes with one warning, and `kvctl gc` removes the file.
+# Each read checks the words it copies (head, slot, slots), and what only the whole table can
+# show (a free slot holding bytes, a sum past an i64) is checked on copies taken under the flock,
+# where no write of a pid or held is half done; the lock-free readers (find_dead, the share
+# side's own slot) check word by word. Arithmetic on checked words that could still leave an i64
+# (an acquisition on a slot holding nearly I64_MAX) is refused before the first write;
+# recovered_bytes, a running statistic, stops at I64_MAX. The share words (weight, minimum,
+# demand, cap, policy, stale_after) only steer the sharing: a value out of range is read as its
+# default, so that an operator's typo or a stray write never stops a holder from allocating.
+#
+# Note [Demand of a stopped holder]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# A holder's demand caps the others while it waits below its share (Note [Caps that conserve
+# work] in fairness). A SIGSTOPped (or otherwise frozen) holder of this pid namespace is alive,
+# so it is never reclaimed (Note [Slot heartbeats]): its memory is still mapped. But it waits for
+# nothing: its last demand kept every other holder capped for as long as it stayed stopped. So a
+# live holder whose heartbeat is older than the budget's stale_after_s keeps its held bytes in the
+# computation and claims a demand of 0: it gets a share of what it holds, and nobody is capped
+# for it. Its poller beats every stale_after_s / 8, so a running holder loses its demand only if
+# its process cannot run for eight beats; once it runs again its next beat (or set_demand)
+# makes the demand count at the next computation. Holders of another pid namespace are judged
+# the same way by the same heartbeat, and are dead (reclaimed) past it anyway.

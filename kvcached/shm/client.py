@@ -17,15 +17,24 @@ from ..checks import as_int
 from ..errors import KVCachedError
 from ..limits import I64_MAX, NO_LIMIT
 from . import segment
-from .files import SHM_DIR, TMP_PREFIX, process_start_time, replace_if_dead
+from .files import (
+    SHM_DIR,
+    TMP_PREFIX,
+    ShmFileError,
+    Sweep,
+    process_start_time,
+    remove_entry,
+    replace_if_dead,
+)
 from .segment import (
-    MAGIC,
     OFFSETS,
+    SEGMENT_FILES,
     SEGMENT_PREFIX,
     W_REQUEST_SEQ,
     WORD,
     WORDS,
     Snapshot,
+    check_segment,
     open_segment,
     parse_segment,
     pread_segment,
@@ -57,7 +66,9 @@ def read_segment(name: str) -> Snapshot:
 
 
 def scan_segments() -> Iterator[tuple[str, Snapshot | Exception]]:
-    """(name, snapshot or the error reading it) for every ``kvcached.*`` file, sorted by name."""
+    """(name, snapshot or the error reading it) for every ``kvcached.*`` entry, sorted by name.
+    An entry that is no regular file of this user yields a ShmFileError (never opened
+    blocking, never followed: Note [Files in /dev/shm] in files)."""
     try:
         entries = sorted(e for e in os.listdir(SHM_DIR) if e.startswith(SEGMENT_PREFIX))
     except FileNotFoundError:
@@ -105,8 +116,9 @@ def request_limit(name: str, limit_bytes: int, revision: int | None = None) -> L
         KVCachedConfigError: ``limit_bytes`` outside [NO_LIMIT, I64_MAX] or ``revision`` outside
             [0, I64_MAX] (what the segment's fields hold), or either not an int (numpy integers
             are accepted; bools and floats are not).
-        KVCachedError: no such instance, its file is not a segment, its revision is already
-            I64_MAX, or its request sequence is corrupt.
+        KVCachedError: no such instance, its file is not a segment of this version (or not a
+            regular file of this user: ShmFileError), its revision is already I64_MAX, or its
+            request sequence is corrupt.
         In every case nothing was written.
     """
     limit_bytes = as_int(limit_bytes, "limit_bytes", minimum=NO_LIMIT, maximum=I64_MAX,
@@ -125,8 +137,7 @@ def request_limit(name: str, limit_bytes: int, revision: int | None = None) -> L
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         raw = pread_segment(fd, path)
-        if raw[:4] != MAGIC:
-            raise KVCachedError(f"{path} is not a kvcached segment; `kvctl gc` removes it")
+        check_segment(raw, path)
         words = memoryview(raw).cast("q")
         if revision is None:
             current = max(words[WORDS["limit_revision"]], words[WORDS["request_revision"]])
@@ -188,39 +199,48 @@ def wait_for_ack(request: LimitRequest, timeout_s: float = 1.0,
 
 
 def delete_segment(name: str, force: bool = False) -> None:
-    """Remove instance ``name``'s segment.
+    """Remove instance ``name``'s segment; with ``force``, whatever has its name (an empty
+    directory too; see Note [Files in /dev/shm] in files).
 
     Raises:
         KVCachedError: no such segment; or its owner is alive and ``force`` is False (the owner
-            would go on writing into a segment nobody can see). Nothing was removed.
+            would go on writing into a segment nobody can see); or, without ``force``, the entry
+            is no regular file of this user (ShmFileError, naming the fix); with ``force``, a
+            directory that is not empty or an entry this user may not remove. Nothing was
+            removed.
     """
     path = segment_path(name)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise KVCachedError(
             f"no kvcached instance named {name!r}; `kvctl list` shows the names")
     if force:
         try:
-            os.unlink(path)
+            remove_entry(path)
         except FileNotFoundError:
             pass
         return
-    if not replace_if_dead(path, removable):
+    if not replace_if_dead(path, SEGMENT_FILES, removable):
         snap = read_path(path)
         raise KVCachedError(
             f"instance {name!r} is alive (pid {snap.pid}); stop it first, or force the removal "
             "(kvctl delete --force), after which it publishes into a segment nobody sees")
 
 
-def gc_segments() -> dict[str, str]:
-    """Remove the segments whose owner is dead, the files at segment names that are not segments
-    (truncated or overwritten), and leftover temporary files; {name: why it was removed}.
+def gc_segments(force: bool = False) -> Sweep:
+    """Remove the segments whose owner is dead, the files of this user at segment names that are
+    not segments (truncated, overwritten, a field out of range), and leftover temporary files;
+    with ``force``, also this user's entries that are no regular file (FIFO, empty directory,
+    link, socket). What was removed and what was kept for an operator, by name, with why.
 
     Owners in another pid namespace count as dead only when their heartbeat is older than
-    STALE_AFTER_S. A live owner's valid segment is never removed. See Note [Telling a dead
-    owner] in files. O(number of segments).
+    STALE_AFTER_S. A live owner's valid segment is never removed, nor another user's entry. See
+    Note [Telling a dead owner] and Note [Files in /dev/shm] in files. O(number of segments).
     """
-    removed = {}
+    sweep = Sweep()
     for name, snap in scan_segments():
+        if isinstance(snap, ShmFileError):
+            sweep.unusable(name, snap, force)
+            continue
         if isinstance(snap, Snapshot):
             if snap.alive:
                 continue
@@ -228,20 +248,21 @@ def gc_segments() -> dict[str, str]:
         elif isinstance(snap, KVCachedError):
             why = "not a valid segment"
         else:
-            continue  # unreadable by this user: not ours to judge
+            sweep.kept[name] = str(snap)   # an error reading it
+            continue
         path = os.path.join(SHM_DIR, SEGMENT_PREFIX + name)
         try:  # judged again under the file's lock: it may have been replaced meanwhile
-            if os.path.exists(path) and replace_if_dead(path, removable):
-                removed[name] = why
-        except OSError:
-            continue
+            if os.path.lexists(path) and replace_if_dead(path, SEGMENT_FILES, removable):
+                sweep.removed[name] = why
+        except (OSError, KVCachedError):
+            continue  # replaced meanwhile by something else: the next gc judges it
     for entry in os.listdir(SHM_DIR):
         if entry.startswith(TMP_PREFIX):
             pid = entry[len(TMP_PREFIX):].split(".")[0]
             if pid.isdigit() and process_start_time(int(pid)) is None:
                 try:
                     os.unlink(os.path.join(SHM_DIR, entry))
-                except FileNotFoundError:
-                    pass
-    return removed
+                except OSError:
+                    pass  # gone meanwhile, or a directory: not a file kvcached made
+    return sweep
 

@@ -155,4 +155,5 @@ def _asking_all(budget_bytes: int, claims: Sequence[Claim], i: int) -> int:
 # Why every holder computes its own cap from the segment rather than a daemon handing them out:
 # nothing extra to start, supervise or lose (a crashed daemon would freeze every cap), the
 # segment already holds what the computation needs (under one shared flock: one consistent
-# copy), and a dead holder drops out of the next computation of every survivor by itself.
+# copy), and a dead holder drops out of the next computation of every survivor by itself, as
+# does the demand of a stopped one (Note [Demand of a stopped holder] in budget).

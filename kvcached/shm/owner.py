@@ -23,13 +23,21 @@ from ..checks import as_int
 from ..errors import KVCachedConfigError, KVCachedError
 from ..limits import I64_MAX, NO_LIMIT
 from . import segment
-from .files import create_exclusive, own_identity, pid_now, replace_if_dead, validate_name
+from .files import (
+    ShmFileError,
+    create_exclusive,
+    own_identity,
+    pid_now,
+    replace_if_dead,
+    validate_name,
+)
 from .poller import POLLER, Job
 from .segment import (
     LAYOUT,
     MAGIC,
     OFFSETS,
     SEGMENT_BYTES,
+    SEGMENT_FILES,
     STALE_AFTER_S,
     VERSION,
     W_HEARTBEAT,
@@ -173,11 +181,14 @@ class MemInfoTracker:
 
         ``name``: the instance's name (the caller passes KVCACHED_IPC_NAME, suffixed per pool
         where it has several); None picks ``kvcached_<pid>_<n>``. A segment of that name left by
-        a dead process, or a file there that is not a segment, is taken over.
+        a dead process, or a file there that is not a segment, is taken over; an entry that is no
+        regular file of this user (a FIFO, a directory, a link, another user's file) is not
+        (Note [Files in /dev/shm] in files).
 
         Raises:
-            KVCachedConfigError: invalid name or sizes, or a live process owns that name (the
-                message names its pid, or says it is this process).
+            KVCachedConfigError: invalid name or sizes, a live process owns that name (the
+                message names its pid, or says it is this process), or an entry that is no
+                regular file of this user has it (the message names it and how to remove it).
             KVCachedError: /dev/shm is missing or not writable.
         """
         self.name = validate_name(default_name() if name is None else name)
@@ -220,15 +231,21 @@ class MemInfoTracker:
             fd = create_exclusive(self.path, content)
             if fd is not None:
                 return fd
-            if not replace_if_dead(self.path, removable) and os.path.exists(self.path):
+            try:
+                taken = not replace_if_dead(self.path, SEGMENT_FILES, removable)
+            except ShmFileError as exc:
+                raise KVCachedConfigError(
+                    f"segment name {self.name!r} cannot be used: {exc}; or give this instance "
+                    "another name (KVCACHED_IPC_NAME)") from None
+            if taken and os.path.lexists(self.path):
                 raise KVCachedConfigError(self._name_taken())
         raise KVCachedError(f"could not create {self.path}: other processes keep replacing it")
 
     def _name_taken(self) -> str:
         try:
             snap = read_path(self.path)
-        except (OSError, KVCachedError):
-            owner = "a file that is not a segment this kvcached can read"
+        except (OSError, KVCachedError) as exc:
+            owner = f"a file this kvcached cannot read as a segment ({exc})"
         else:
             if (snap.pid, snap.start_time, snap.pid_ns) == self._identity:
                 return (
@@ -402,8 +419,8 @@ class MemInfoTracker:
         if len(head) < 8:
             return  # truncated: the next heartbeat detaches
         seq = WORD.unpack(head)[0]
-        if seq & 1 or seq == self._shadow[WORDS["ack_request_seq"]]:
-            return
+        if seq & 1 or seq < 0 or seq == self._shadow[WORDS["ack_request_seq"]]:
+            return  # (negative: another program's; readers report the segment as corrupt)
         if fence is not None:
             fence()  # the fields are read after the sequence ...
         body = os.pread(fd, 16, OFFSETS["request_limit_bytes"])
@@ -454,11 +471,17 @@ class MemInfoTracker:
         return parse_segment(raw, self.path, consistent)
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the segment is inconsistent with this owner. O(1).
+        """Raise AssertionError if the segment is inconsistent with this owner, or holds a field
+        no owner writes (segment.FIELD_BOUNDS). O(1).
 
         Call it when no other thread of this process publishes.
         """
-        snap = self.snapshot()
+        try:
+            snap = self.snapshot()
+        except KVCachedError as exc:
+            if self._closed or self._detached is not None:
+                raise
+            raise AssertionError(f"tracker {self.name!r}: {exc}") from None
         problems = []
         if not snap.consistent:
             problems.append("a seqlock stayed odd")
@@ -466,10 +489,6 @@ class MemInfoTracker:
             problems.append(f"owner {snap.pid} is not this process {self._identity[0]}")
         if snap.name != self.name:
             problems.append(f"name {snap.name!r} != {self.name!r}")
-        if snap.used_bytes < 0 or snap.reserved_bytes < 0:
-            problems.append(f"negative usage {snap.used_bytes}/{snap.reserved_bytes}")
-        if snap.limit_bytes < NO_LIMIT or snap.capacity_bytes < 0:
-            problems.append(f"bad limit {snap.limit_bytes} or capacity {snap.capacity_bytes}")
         if snap.ack_request_seq > snap.request_seq or snap.ack_request_seq & 1:
             problems.append(f"ack {snap.ack_request_seq} beyond request {snap.request_seq}")
         if problems:

@@ -69,7 +69,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from ..errors import KVCachedConfigError, KVCachedError
-from .files import SHM_DIR, owner_alive, validate_name
+from ..limits import I64_MAX, NO_LIMIT
+from .files import MAX_PID, SHM_DIR, ShmKind, open_checked, owner_alive, validate_name
 
 SEGMENT_PREFIX = "kvcached."
 MAGIC = b"KVCT"
@@ -100,6 +101,24 @@ _READ_ATTEMPTS = 10_000
 WORD = struct.Struct("=q")
 
 assert LAYOUT.size == SEGMENT_BYTES and OFFSETS["request_ns"] == 184
+
+# What an owner writes into each field: a version-1 segment holding a value outside is another
+# program's doing, and no reader uses it (Note [Files in /dev/shm] in files). Not here: the
+# status codes (decoded by status_name, "unknown(<code>)" for others) and the request's limit,
+# revision, pid and time, which operators write and the owner judges itself (it answers a request
+# no operator could make with "error": Note [Limit requests]).
+_ANY = (0, I64_MAX)
+FIELD_BOUNDS = {
+    "segment_bytes": (SEGMENT_BYTES, SEGMENT_BYTES), "pid": (1, MAX_PID), "start_time": _ANY,
+    "pid_ns": _ANY, "created_ns": _ANY, "heartbeat_ns": _ANY, "page_size_bytes": _ANY,
+    "usage_seq": _ANY, "used_bytes": _ANY, "reserved_bytes": _ANY, "limit_seq": _ANY,
+    "limit_bytes": (NO_LIMIT, I64_MAX), "limit_revision": _ANY, "capacity_bytes": _ANY,
+    "ack_request_seq": _ANY, "ack_ns": _ANY, "request_seq": _ANY,
+}
+
+SEGMENT_FILES = ShmKind(
+    "kvcached segment", SEGMENT_PREFIX, SEGMENT_BYTES, fix="`kvctl gc` removes it",
+    force_fix="`kvctl delete {name} --force` or `kvctl gc --force` removes it")
 
 log = logging.getLogger("kvcached")
 
@@ -215,19 +234,32 @@ def status_name(code: int) -> str:
     return STATUS_NAMES[code] if 0 <= code < len(STATUS_NAMES) else f"unknown({code})"
 
 
-def parse_segment(raw: bytes, path: str, consistent: bool) -> Snapshot:
-    """The snapshot ``raw`` (a copy of the file at ``path``) holds; judges its owner by /proc.
+def check_segment(raw: bytes, path: str) -> dict[str, object]:
+    """The fields of ``raw`` (a copy of the file at ``path``) by name, once they are checked to be
+    a segment of this layout version with every field in range (FIELD_BOUNDS).
 
     Raises:
-        KVCachedError: not a segment, or one of another layout version.
+        KVCachedError: not a segment, a field out of range (the message names it, its value and
+            the range), or a segment of another layout version.
     """
-    values = dict(zip(FIELDS, LAYOUT.unpack(raw)))
-    if values["magic"] != MAGIC:
-        raise KVCachedError(f"{path} is not a kvcached segment (magic {values['magic']!r})")
+    why = invalid_segment(raw)
+    if why is not None:
+        raise KVCachedError(f"{path}: {why}; `kvctl gc` removes it")
+    values = dict(zip(FIELDS, LAYOUT.unpack_from(raw)))
     if values["version"] != VERSION:
         raise KVCachedError(
             f"{path} has layout version {values['version']}; this kvcached reads version "
             f"{VERSION}: use the kvctl of the kvcached that created it")
+    return values
+
+
+def parse_segment(raw: bytes, path: str, consistent: bool) -> Snapshot:
+    """The snapshot ``raw`` (a copy of the file at ``path``) holds; judges its owner by /proc.
+
+    Raises:
+        KVCachedError: see ``check_segment``.
+    """
+    values = check_segment(raw, path)
     age_s = max(0.0, (time.time_ns() - values["heartbeat_ns"]) / 1e9)
     alive = owner_alive(values["pid"], values["start_time"], values["pid_ns"])
     if alive is None:
@@ -291,18 +323,9 @@ def read_consistent(fd: int, path: str) -> tuple[bytes, bool]:
 
 
 def open_segment(path: str, writable: bool = False) -> int:
-    """An fd of the segment file at ``path``, checked to be at least a segment long."""
-    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size < SEGMENT_BYTES:
-            raise KVCachedError(
-                f"{path} is {size} bytes, not a kvcached segment ({SEGMENT_BYTES} bytes); "
-                "`kvctl gc` removes it")
-        return fd
-    except BaseException:
-        os.close(fd)
-        raise
+    """An fd of the segment file at ``path``: a regular file of this user, at least a segment
+    long (``files.open_checked``; FileNotFoundError, ShmFileError or KVCachedError if not)."""
+    return open_checked(path, SEGMENT_FILES, writable=writable)
 
 
 def read_path(path: str) -> Snapshot:
@@ -321,17 +344,25 @@ def read_path(path: str) -> Snapshot:
 
 def invalid_segment(raw: bytes) -> str | None:
     """Why ``raw`` (a file's first bytes) cannot be a kvcached segment of any layout version, or
-    None if it may be one. Never says so of a file another kvcached version wrote."""
+    None if it may be one: too short, another magic, or (this version only) a field outside
+    FIELD_BOUNDS. Never says so of a file another kvcached version wrote. O(fields)."""
     if len(raw) < SEGMENT_BYTES:
         return f"{len(raw)} bytes, not a kvcached segment"
     if raw[:4] != MAGIC:
         return f"magic {raw[:4]!r}, not a kvcached segment"
+    values = dict(zip(FIELDS, LAYOUT.unpack_from(raw)))
+    if values["version"] != VERSION:
+        return None
+    for field, (low, high) in FIELD_BOUNDS.items():
+        if not low <= values[field] <= high:
+            return (f"{field} is {values[field]}, outside [{low}, {high}]: no kvcached writes "
+                    "that, another program changed the file")
     return None
 
 
 def _dead_segment(raw: bytes) -> bool:
     if invalid_segment(raw) is not None or struct.unpack_from("=I", raw, 4)[0] != VERSION:
-        return False  # not ours to judge
+        return False  # not ours to judge (and every field is in range below)
     pid, start, pid_ns = struct.unpack_from("=qqq", raw, OFFSETS["pid"])
     alive = owner_alive(pid, start, pid_ns)
     if alive is None:
@@ -404,8 +435,10 @@ def status_code(status: str) -> int:
 # it stops writing to it, logs one warning, and publishes and takes requests no more until it
 # restarts. Unlinking or replacing the file is harmless: the owner's fd keeps the old file alive
 # and it writes into a segment nobody sees, as after `kvctl delete --force`. A file at a segment's
-# name that is too short or holds another magic is no instance's live segment (segments appear
-# complete, by link()), so gc_segments() removes it and a new instance of that name takes over.
+# name that is too short, holds another magic or a field no owner writes (FIELD_BOUNDS) is no
+# instance's live segment (segments appear complete, by link()), so gc_segments() removes it and
+# a new instance of that name takes over. Entries that are no regular file of this user: Note
+# [Files in /dev/shm] in files.
 #
 # Note [Limit requests]
 # ~~~~~~~~~~~~~~~~~~~~~
