@@ -176,3 +176,13 @@ def test_imports_point_down():
             if target_rank is None or target_rank > rank:
                 upward.append(f"{source} -> {target}")
     assert not upward, "imports pointing up: " + "; ".join(sorted(upward))
+
+
+def test_the_serving_scheduler_imports_no_torch():
+    """The scheduler decides on host state only; the runner is what touches the device."""
+    tree = ast.parse((PACKAGE / "serving" / "scheduler.py").read_text())
+    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.module}
+    assert "torch" not in roots, "kvcached.serving.scheduler imports torch"

@@ -34,7 +34,7 @@ from kvcached.serving import (
     build_model,
     model_config,
 )
-from kvcached.serving.loop import step_buffer_bytes
+from kvcached.serving.runner import step_buffer_bytes
 
 FAMILIES = ("llama", "qwen2", "mistral")
 LAYOUTS = ("per_layer", "interleaved", "page_grouped")

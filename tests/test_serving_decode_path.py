@@ -20,19 +20,26 @@ from hypothesis import strategies as st
 from test_serving import BLOCK_SIZE, FAMILIES, assert_generates, serving_model, workload
 
 from kvcached.serving import ServingLoop, StaticKVCache
+from kvcached.serving.scheduler import Scheduler
 
 one_thread = test_serving.one_thread        # fixture, used by name
 
 
-class GeneralLoop(ServingLoop):
-    """A loop whose scheduler never takes the decode fast path."""
+class GeneralScheduler(Scheduler):
+    """A scheduler that never takes the decode fast path."""
 
     def _decoding(self, budget):
         return None
 
 
-class CountingLoop(ServingLoop):
-    """A loop that counts the steps its scheduler took the decode fast path."""
+class GeneralLoop(ServingLoop):
+    """A loop whose scheduler never takes the decode fast path."""
+
+    scheduler_class = GeneralScheduler
+
+
+class CountingScheduler(Scheduler):
+    """A scheduler that counts the steps it took the decode fast path."""
 
     fast_steps = 0
 
@@ -40,6 +47,13 @@ class CountingLoop(ServingLoop):
         cached = super()._decoding(budget)
         self.fast_steps += cached is not None
         return cached
+
+
+class CountingLoop(ServingLoop):
+    """A loop that counts the steps its scheduler took the decode fast path."""
+
+    scheduler_class = CountingScheduler
+    fast_steps = property(lambda self: self.scheduler.fast_steps)
 
 
 def state(loop: ServingLoop) -> tuple:

@@ -1,4 +1,4 @@
-"""Preempted requests kept on the host and copied back (Note [Swapping out] in kvcached.serving.loop).
+"""Preempted requests kept on the host and copied back (Note [Swapping out] in kvcached.serving.swap).
 
 With swapping, a preemption costs no recomputation: every token of every request runs through
 the model exactly once, and the tokens are still generate's. Without room on the host (or when

@@ -28,10 +28,12 @@ from .attention import ATTENTION_NAME, StepMetadata, running_step
 from .buffers import StepBuffers
 from .cache import ElasticKVCache, PagedKVCache, StaticKVCache, kv_geometry
 from .graphs import DecodeRunner, decode_buckets
-from .loop import LoopStalledError, LoopStats, Request, ServingLoop
+from .loop import LoopStalledError, ServingLoop
 from .model import FAMILIES, PRESETS, build_model, model_config
 from .plan import StepPlan
+from .scheduler import Request
 from .shard import Shard, shard_config, shard_model
+from .stats import LoopStats
 from .tp import TensorParallelLoop, TensorParallelWorker
 
 __all__ = [

@@ -115,7 +115,7 @@ class PagedKVCache:
         """A host copy of blocks `ids` (K and V, every layer), queued on the current stream: pinned
         memory on CUDA, so the copy runs without the host waiting for it. The blocks may be freed
         and reused right after: their next writes come later on the same stream. Read it only
-        through swap_in (on the same stream). See Note [Swapping out] in kvcached.serving.loop."""
+        through swap_in (on the same stream). See Note [Swapping out] in kvcached.serving.swap."""
         device = self.kv[0].device
         source = torch.tensor(ids, dtype=torch.int64, device=device)
         first = self.kv[0]

@@ -53,7 +53,7 @@ class RowCounters:
 # given back (finish, preemption, abort) goes stale and is filled again by the next admit, so
 # nothing needs resetting. check_invariants compares every running request with its row.
 #
-# What the mirror buys is the decode fast path of ServingLoop._schedule (Note [Scheduling]): when
+# What the mirror buys is the decode fast path of Scheduler.schedule (Note [Scheduling]): when
 # every running request has exactly its next token to run (length - cached == 1) and the budget
 # holds them all, the batch is the running list itself, the requests that need a block for that
 # token are found with one comparison (cached >= room) and only those call the cache's alloc, in

@@ -12,9 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .loop import SWAP_BYTES, Request, ServingLoop, SwappedKV
+from .loop import ServingLoop
 from .plan import NUM_SIZES, StepPlan
+from .scheduler import Request
 from .shard import Shard
+from .swap import SWAP_BYTES, SwappedKV
 
 # the command word of a header: return, run a step, move blocks, and a request's K/V to the
 # host, back, or dropped there (Note [Swapping out at TP])
@@ -259,7 +261,7 @@ class TensorParallelWorker:
 #
 # Note [Swapping out at TP]
 # Every rank holds its own heads of a request's K/V, so a preemption that keeps them (Note
-# [Swapping out] in kvcached.serving.loop) copies them on every rank: the leader copies its own
+# [Swapping out] in kvcached.serving.swap) copies them on every rank: the leader copies its own
 # shard, sends SWAP_OUT (the request id and block count in the sizes, then the ids), and each
 # worker queues the copy to its host and keeps it under the request id. All ranks then join an
 # all-reduce of a failure flag that the leader waits for on the host, so every copy is queued
