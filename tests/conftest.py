@@ -90,7 +90,7 @@ def shm_clean():
     assert not left, f"shared-memory files left behind in /dev/shm: {left}"
 
 
-# -- the runtime-level fixture of test_kv_cache_manager / test_runtime / test_manager_integrity ----
+# -- the runtime-level fixture of test_kv_cache_manager / test_runtime / test_kv_cache_manager_integrity ----
 
 def _own_segments() -> set:
     import glob
@@ -128,13 +128,3 @@ def kv_env(monkeypatch):
     config.reload_settings()
     left = _own_segments() - before
     assert not left, f"shared-memory segments left behind: {sorted(left)}"
-
-
-@pytest.fixture
-def vllm_kv(kv_env):
-    """kv_env, with kvcached set up for the contract tests of the vLLM integration
-    (tests/test_vllm_*.py; tests/_vllm_contract.py says how)."""
-    from _vllm_contract import kvcached_for_vllm
-
-    with kvcached_for_vllm(kv_env):
-        yield kv_env

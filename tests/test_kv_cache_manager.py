@@ -363,7 +363,7 @@ def test_trim_and_mapped_size(kv_env, layout):
 def test_pages_leave_the_pool_behind_a_fence(kv_env, path):
     """A page freed into the pool got no fence; each path that unmaps pool pages records one
     (kernels queued before the free may still read it: Note [Deferred unmap]). The CUDA variant
-    in test_gpu_manager runs a kernel over the page; here the host's fence is done at once."""
+    in test_kv_cache_manager_cuda runs a kernel over the page; here the host's fence is done at once."""
     env = {"IDLE_TRIM_S": 0.05} if path == "idle_trim" else {}
     m, kv = make(kv_env, num_blocks=200, max_reserved=4, **env)
     ids = m.alloc(int(m._group.layout.page_num_blocks[0]))     # exactly page 0
