@@ -171,8 +171,11 @@ cdef class PageTable:
                     self._unmap_local(page_ids, n)
             raise
         if rc == 0 and not peers_mapped:
-            with nogil:
-                self._unmap_local(page_ids, n)  # what fails to go stays marked 2: the caller settles it
+            try:
+                with nogil:
+                    self._unmap_local(page_ids, n)  # what fails to go stays marked 2: the caller settles it
+            finally:
+                mirror.map_undone()     # only now may the mirror's next round or reader run
             rc = _OOM
         return rc
 
@@ -518,11 +521,11 @@ cdef class PageTable:
     def set_mirror(self, mirror) -> None:
         """Repeat every map and unmap of this table through `mirror` from now on (None: stop).
 
-        `mirror` has map_start(ids), map_finish(mapped_here) -> bool, unmap_start(ids) and
-        unmap_finish(); see Note [Mirrored page table] for the contract. Attaching needs a
+        `mirror` has map_start(ids), map_finish(mapped_here) -> bool, map_undone(),
+        unmap_start(ids) and unmap_finish(); see Note [Mirrored page table] for the contract. Attaching needs a
         table with no page id mapped (peers start empty too): MappingError otherwise."""
         if mirror is not None:
-            for name in ("map_start", "map_finish", "unmap_start", "unmap_finish"):
+            for name in ("map_start", "map_finish", "map_undone", "unmap_start", "unmap_finish"):
                 if not callable(getattr(mirror, name, None)):
                     raise KVCachedConfigError(f"mirror {mirror!r} has no method {name}(); see PageTable.set_mirror")
         self._check_usable()
@@ -678,6 +681,11 @@ cdef class PageTable:
 #                                 mapped all of them. False, or ok False: every peer that mapped
 #                                 has unmapped them again before it returns. Raising (a peer
 #                                 gone): this table unmaps them and the error goes on.
+#   mirror.map_undone()           after map_finish(True) returned False, once this table has
+#                                 unmapped them too. Until then the mirror stays serialised:
+#                                 a reader of every rank's pages (kvcached.tp's
+#                                 mapped_everywhere) once saw this table one page ahead of its
+#                                 peers in that window, when a peer was out of memory.
 #   mirror.unmap_start(ids)       before unmapping here; peers unmap what they have of ids.
 #   mirror.unmap_finish()         after; waits for them. This table unmaps either way, then a
 #                                 mirror error is raised.

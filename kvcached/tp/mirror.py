@@ -231,6 +231,7 @@ class TableMirror:
         rnd, self._round = self._round, None
         assert rnd is not None, "map_finish without map_start"
         leader = self.leader
+        undo_here = False           # the lock stays held until map_undone: See Note [Mirrored page table]
         try:
             gathered = None
             if leader._gather is not None and len(rnd.peers) == leader._num_peers:
@@ -249,9 +250,16 @@ class TableMirror:
                     f"tensor-parallel map of page ids {rnd.page_ids[:8]}{'...' if len(rnd.page_ids) > 8 else ''} of "
                     f"KV group {self.table_id} failed: {self.leader._refusal(refused, 'map')}. Every rank is as "
                     f"before the map.", next(iter(refused)), "map")
+            undo_here = mapped_here
             return False
         finally:
-            self.leader.lock.release()
+            if not undo_here:
+                leader.lock.release()
+
+    def map_undone(self) -> None:
+        """The table has undone its own map of the round map_finish returned False for: the next
+        round and mapped_everywhere may take the lock now, and see every rank as before."""
+        self.leader.lock.release()
 
     def unmap_start(self, page_ids: list[int]) -> None:
         self._start(UNMAP, page_ids)

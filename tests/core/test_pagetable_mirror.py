@@ -29,11 +29,14 @@ class TableMirror:
         self.peer_mapped = False
         self.calls = 0
         self.batches: list[list[int]] = []
+        self.table = None                       # the mirrored table (mirrored_stack sets it)
+        self.undoing: list[int] | None = None   # ids the table must unmap before map_undone
 
     def map_start(self, ids: list[int]) -> None:
         self.calls += 1
         self.batches.append(list(ids))
         assert self.pending is None, "map_start twice without map_finish"
+        assert self.undoing is None, "map_start before map_undone: the mirror must stay serialised"
         if self.gone:
             raise PeerGone("peer gone at map_start")
         self.pending = list(ids)
@@ -46,7 +49,15 @@ class TableMirror:
             raise PeerGone("peer gone at map_finish")
         if self.peer_mapped and not mapped_here:
             self.peer.unmap(ids)
+        if mapped_here and not self.peer_mapped:
+            self.undoing = ids
         return self.peer_mapped
+
+    def map_undone(self) -> None:
+        ids, self.undoing = self.undoing, None
+        assert ids is not None, "map_undone without a map_finish(True) that returned False"
+        ahead = [p for p in ids if self.table.is_mapped(p)]
+        assert not ahead, f"map_undone while the table still maps {ahead}: a reader would see it ahead of its peer"
 
     def unmap_start(self, ids: list[int]) -> None:
         if self.gone:
@@ -62,6 +73,7 @@ def mirrored_stack(num_pages: int, capacity_granules: int, peer_granules: int, *
     peer_backend = HostBackend(GRANULARITY, peer_granules * GRANULARITY)
     peer, peer_ranges = make_table(peer_backend, num_pages)
     mirror = TableMirror(peer)
+    mirror.table = stack.table
     stack.table.set_mirror(mirror)
     return stack, mirror, peer_ranges
 
