@@ -30,7 +30,7 @@ from .shm.poller import POLLER, Job
 if TYPE_CHECKING:
     from .core import BlockAllocator, PageAllocator, PageTable
     from .core.blockalloc import _BlockAllocatorStats
-    from .shm.budget import Budget
+    from .shm.budget.holder import Budget
     from .layout import KVLayout
 
 logger = logging.getLogger("kvcached")
@@ -348,7 +348,7 @@ class KVCacheManager:
         self.null_block = 0
 
     def _attach_budget(self, name: str) -> None:
-        from .shm.budget import Budget
+        from .shm.budget.holder import Budget
 
         settings = config.settings()
         self._budget = Budget.open(name, settings.global_budget_bytes, policy=settings.global_budget_policy,

@@ -297,13 +297,13 @@ def role_budget_worker(args: argparse.Namespace) -> None:
 
 def role_budget_die_midway(args: argparse.Namespace) -> None:
     """Hold ``held`` bytes, then SIGKILL this process between the slot's and the total's write of
-    one more acquisition or release of ``amount`` (budget._between_slot_and_total)."""
-    from kvcached.shm import budget as kb
+    one more acquisition or release of ``amount`` (holder._between_slot_and_total)."""
+    from kvcached.shm.budget import holder
 
     handle = Budget.open(args.name)
     if not handle.try_acquire(args.held):
         raise SystemExit(f"could not acquire {args.held} bytes")
-    kb._between_slot_and_total = lambda: os.kill(os.getpid(), signal.SIGKILL)
+    holder._between_slot_and_total = lambda: os.kill(os.getpid(), signal.SIGKILL)
     if args.op == "acquire":
         handle.try_acquire(args.amount)
     else:

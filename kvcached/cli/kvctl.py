@@ -20,9 +20,7 @@ import time
 from ..checks import as_int
 from ..errors import KVCachedError
 from ..limits import I64_MAX, NO_LIMIT
-from ..shm.budget import (
-    POLICIES,
-    BudgetSnapshot,
+from ..shm.budget.client import (
     delete_budget,
     gc_budgets,
     list_budgets,
@@ -33,6 +31,7 @@ from ..shm.budget import (
     set_holder_share,
     set_policy,
 )
+from ..shm.budget.format import POLICIES, BudgetSnapshot
 from ..shm.client import (
     delete_segment,
     gc_segments,

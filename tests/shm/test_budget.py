@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 
 from _procs import Proc, kvctl, unique_name, wait_until
 from kvcached.errors import KVCachedClosedError, KVCachedConfigError, KVCachedError
+from kvcached.limits import I64_MAX
 from kvcached.shm import budget as kb
+from kvcached.shm.budget import format as budget_format
 from kvcached.shm.budget import (
     Budget,
     delete_budget,
@@ -421,7 +423,7 @@ def test_no_proc_read_while_the_flock_is_held(name, monkeypatch):
     """Every /proc judgement of a holder (owner_alive) runs while nobody holds the flock: a
     non-blocking LOCK_EX on a fresh descriptor succeeds at that moment."""
     held_during = []
-    real = kb.owner_alive
+    real = budget_format.owner_alive
 
     def spy(pid, start, pid_ns):
         fd = os.open(kb.budget_path(name), os.O_RDONLY)
@@ -434,7 +436,7 @@ def test_no_proc_read_while_the_flock_is_held(name, monkeypatch):
         return real(pid, start, pid_ns)
 
     set_budget(name, 8 * MiB)
-    monkeypatch.setattr(kb, "owner_alive", spy)
+    monkeypatch.setattr(budget_format, "owner_alive", spy)
     handles = [Budget.open(name)]
     try:
         with Proc("budget-hog", name, str(6 * MiB)) as hog:
@@ -594,12 +596,12 @@ def test_v3_fields_round_trip(name):
     with Budget.open(name, weight=2.5, min_bytes=MiB) as b:
         assert _word(name, _slot_offset(b.slot, 7)) == 2500             # weight_milli
         assert _word(name, _slot_offset(b.slot, 8)) == MiB              # min_bytes
-        assert _word(name, _slot_offset(b.slot, 9)) == kb.I64_MAX       # cap: none yet
+        assert _word(name, _slot_offset(b.slot, 9)) == I64_MAX          # cap: none yet
         b.set_demand(3 * MiB)
         assert _word(name, _slot_offset(b.slot, 6)) == 3 * MiB
         b.set_share(0.5, 2 * MiB)
         (h,) = b.snapshot().holders
-        assert (h.weight, h.min_bytes, h.demand_bytes, h.cap_bytes) == (0.5, 2 * MiB, 3 * MiB, kb.I64_MAX)
+        assert (h.weight, h.min_bytes, h.demand_bytes, h.cap_bytes) == (0.5, 2 * MiB, 3 * MiB, I64_MAX)
         assert h.share_bytes == 3 * MiB                                 # all it wants
         record = read_budget(name).to_dict()
         assert record["policy"] == "first_come"
@@ -632,9 +634,9 @@ def test_a_holder_is_capped_at_its_share_only_while_another_waits(name):
     first_come."""
     set_budget(name, 10 * MiB)
     with Budget.open(name) as hog, Budget.open(name) as late:
-        assert hog.try_acquire(10 * MiB) and hog.cap_bytes() == kb.I64_MAX
+        assert hog.try_acquire(10 * MiB) and hog.cap_bytes() == I64_MAX
         late.set_demand(8 * MiB)
-        assert hog.cap_bytes() == 5 * MiB and late.cap_bytes() == kb.I64_MAX
+        assert hog.cap_bytes() == 5 * MiB and late.cap_bytes() == I64_MAX
         shares = {h.slot: h.share_bytes for h in hog.snapshot().holders}
         assert shares == {hog.slot: 5 * MiB, late.slot: 5 * MiB}
         assert _word(name, _slot_offset(hog.slot, 9)) == 5 * MiB       # published for kvctl
@@ -644,10 +646,10 @@ def test_a_holder_is_capped_at_its_share_only_while_another_waits(name):
         assert hog.try_acquire(MiB)                                      # up to its cap
         assert not hog.try_acquire(1)
         late.set_demand(0)
-        assert hog.cap_bytes() == kb.I64_MAX
+        assert hog.cap_bytes() == I64_MAX
         late.set_demand(MiB)
         kb.set_policy(name, "first_come")
-        assert hog.cap_bytes() == kb.I64_MAX
+        assert hog.cap_bytes() == I64_MAX
         hog.check_invariants()
         late.check_invariants()
 
@@ -672,8 +674,8 @@ def test_set_holder_share_by_pid(name):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("weight", -5), ("weight", 0), ("weight", kb.I64_MAX), ("min", -1), ("min", kb.I64_MAX),
-    ("demand", -7), ("demand", kb.I64_MAX), ("cap", -1), ("policy", 99), ("policy", -1)])
+    ("weight", -5), ("weight", 0), ("weight", I64_MAX), ("min", -1), ("min", I64_MAX),
+    ("demand", -7), ("demand", I64_MAX), ("cap", -1), ("policy", 99), ("policy", -1)])
 def test_tampered_share_fields_never_break_a_holder(name, field, value):
     """Values no kvcached writes are read as the defaults (weight 1, min 0, demand 0, the fair
     policy) or, for a huge min or demand, used as they are (Python ints: no overflow)."""
@@ -689,7 +691,7 @@ def test_tampered_share_fields_never_break_a_holder(name, field, value):
         assert snap.policy in kb.POLICIES
         assert all(h.weight > 0 and h.min_bytes >= 0 and h.demand_bytes >= 0 for h in snap.holders)
         assert 0 <= sum(h.share_bytes for h in snap.holders) <= snap.budget_bytes
-        assert 0 <= cap <= kb.I64_MAX and b.cap_bytes() >= 0
+        assert 0 <= cap <= I64_MAX and b.cap_bytes() >= 0
         assert a.try_acquire(0) and b.try_acquire(MiB) in (True, False)
         a.check_invariants()
         b.check_invariants()
@@ -702,7 +704,7 @@ def test_a_killed_holder_drops_out_and_the_survivor_is_uncapped(name):
         with Proc("budget-demand", name, str(8 * MiB)) as other:
             assert survivor.cap_bytes() == 4 * MiB
             other.kill(signal.SIGKILL)
-            wait_until(lambda: survivor.cap_bytes() == kb.I64_MAX, what="the survivor uncapped")
+            wait_until(lambda: survivor.cap_bytes() == I64_MAX, what="the survivor uncapped")
         snap = survivor.snapshot()
         assert [h.share_bytes for h in snap.holders if not h.alive] in ([], [0])
         survivor.check_invariants()
@@ -718,7 +720,7 @@ def test_a_stopped_holders_demand_stops_capping_the_others(name):
         wait_until(lambda: survivor.cap_bytes() == 4 * MiB, 60, "the survivor capped")
         os.kill(other.pid, signal.SIGSTOP)
         try:
-            wait_until(lambda: survivor.cap_bytes() == kb.I64_MAX, 60, "the survivor uncapped")
+            wait_until(lambda: survivor.cap_bytes() == I64_MAX, 60, "the survivor uncapped")
             (stopped,) = [h for h in read_budget(name).holders if h.pid == other.pid]
             assert stopped.alive and stopped.stale and stopped.demand_bytes == 8 * MiB
             line = next(ln for ln in kvctl("budget", name).stdout.splitlines()

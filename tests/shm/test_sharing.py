@@ -20,6 +20,7 @@ import pytest
 
 from _procs import ENV, KvtopTerminal, kvctl, run_module, unique_name, wait_until
 from kvcached.errors import KVCachedError
+from kvcached.limits import I64_MAX
 from kvcached.shm import budget as kb
 from kvcached.shm.budget import read_budget
 from kvcached.shm.client import list_segments, read_segment
@@ -514,7 +515,7 @@ def test_first_come_budget_caps_nobody(managers, budget_name):
     poll("another share round of the hog", lambda: hog_beat_after(beat))
     state = hog.ask("share")
     assert state["share"]["policy"] == "first_come"
-    assert state["share"]["cap_bytes"] == kb.I64_MAX and state["over"] == 0
+    assert state["share"]["cap_bytes"] == I64_MAX and state["over"] == 0
     assert state["reserved_pages"] == 2
     assert not late.ask(f"alloc {bpp}")["ok"]
     assert sampled(budget_name).held_bytes == 16 * page
@@ -607,11 +608,11 @@ def test_demand_beyond_the_holders_own_limit_is_no_demand(monkeypatch, budget_na
         wait_until(lambda: small.share()["demand_bytes"] == 0, what="no demand beyond the limit")
         assert big.alloc(8 * bpp) is not None
         wait_until(lambda: big.alloc(6 * bpp) is not None, what="the other instance mapping the free pages")
-        assert big.share()["cap_bytes"] == kb.I64_MAX and read_budget(budget_name).held_bytes == 16 * page
+        assert big.share()["cap_bytes"] == I64_MAX and read_budget(budget_name).held_bytes == 16 * page
         # raised by one page: a page's worth of demand, and the other one is capped for it
         assert small.set_memory_limit(3 * page, revision=2)["status"] == "applied"
         wait_until(lambda: small.share()["demand_bytes"] == page, what="demand up to the raised limit")
-        wait_until(lambda: big.share()["cap_bytes"] < kb.I64_MAX, what="the other instance capped")
+        wait_until(lambda: big.share()["cap_bytes"] < I64_MAX, what="the other instance capped")
         assert big.over_limit_blocks() > 0
     finally:
         shutdown_kvcached()
