@@ -38,10 +38,10 @@ class StepBuffers:
         self.tables = torch.full((max_running, width), pad_block, dtype=torch.int64)
         self._tables = self.tables.numpy()
         self._free_rows = list(range(max_running - 1, -1, -1))     # pop() hands out low rows first
-        capacity = StepPlan.data_len((max_tokens_per_step, max_running, width, max_running))
+        capacity, positions = self._lengths(max_running, max_tokens_per_step, width)
         self.staging = torch.empty(capacity, dtype=torch.int64, pin_memory=cuda)
         self._staging = self.staging.numpy()
-        self._arange = np.arange(max(max_tokens_per_step, max_running) + 1)
+        self._arange = np.arange(positions)
         self.data = self.staging if self.device.type == "cpu" else torch.empty(capacity, dtype=torch.int64,
                                                                                device=self.device)
         # two token buffers, used in turn: a loop a step ahead (Note [Steps ahead] in loop) has the
@@ -54,6 +54,20 @@ class StepBuffers:
         self._last_sizes: tuple[int, ...] | None = None     # the sizes of the last pack, its views and plan
         self._last_fields: tuple[np.ndarray, ...] = ()
         self._last_plan: StepPlan | None = None
+
+    @staticmethod
+    def _lengths(max_running: int, max_tokens_per_step: int, width: int) -> tuple[int, int]:
+        """(values of the staging, entries of the arange) for these bounds."""
+        return (StepPlan.data_len((max_tokens_per_step, max_running, width, max_running)),
+                max(max_tokens_per_step, max_running) + 1)
+
+    @classmethod
+    def host_bytes(cls, *, max_running: int, max_tokens_per_step: int, width: int) -> int:
+        """Host bytes the constructor allocates for these bounds: the staging, the block-table
+        mirror, the arange and the two token buffers, every value an int64 (on CUDA the device
+        holds a copy of the staging besides). O(1)."""
+        capacity, positions = cls._lengths(max_running, max_tokens_per_step, width)
+        return 8 * (capacity + max_running * width + positions + 2 * max_running)
 
     # -- the block-table mirror ----------------------------------------------------------------
     def take_row(self, blocks: list[int]) -> int:

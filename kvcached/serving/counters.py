@@ -23,10 +23,17 @@ class RowCounters:
     through an index array about 3x faster on a 1-D array than on a slice of a 2-D one.
     """
 
+    FIELDS = ("cached", "length", "room", "end", "last")
+
     def __init__(self, max_running: int, block_size: int):
         self.block_size = block_size
         self.cached, self.length, self.room, self.end, self.last = (np.zeros(max_running, np.int64)
-                                                                    for _ in range(5))
+                                                                    for _ in self.FIELDS)
+
+    @classmethod
+    def host_bytes(cls, max_running: int) -> int:
+        """Bytes the constructor allocates for ``max_running`` rows: one int64 per field and row."""
+        return 8 * len(cls.FIELDS) * max_running
 
     def admit(self, row: int, request) -> None:
         """Fill `row` from a request that was just given it."""

@@ -22,6 +22,7 @@ import torch
 from kvcached.sizes import format_bytes
 
 from .buffers import StepBuffers
+from .counters import RowCounters
 from .graphs import DecodeRunner
 from .plan import StepPlan
 from .scheduler import SchedulerOutput
@@ -31,10 +32,10 @@ from .stats import LoopStats
 def step_buffer_bytes(tokens: int, rows: int, width: int) -> int:
     """Host bytes a loop allocates when it is made, for steps of `tokens` tokens (the larger of
     max_batch_tokens and max_running) of at most `rows` requests (max_running) whose block
-    tables are `width` wide: StepBuffers' staging (StepPlan.data_len values), block-table mirror,
-    arange and two token buffers, and RowCounters' five counters per row, every value 8 bytes.
-    On CUDA the device holds a copy of the staging. See Note [Step buffer bounds]. O(1)."""
-    return 8 * (StepPlan.data_len((tokens, rows, width, rows)) + rows * width + tokens + 1 + 7 * rows)
+    tables are `width` wide: its StepBuffers and RowCounters, each counted by its own class.
+    See Note [Step buffer bounds]. O(1)."""
+    return (StepBuffers.host_bytes(max_running=rows, max_tokens_per_step=tokens, width=width)
+            + RowCounters.host_bytes(rows))
 
 
 def _refuse_buffers_beyond_memory(max_batch_tokens: int, max_running: int, width: int,
