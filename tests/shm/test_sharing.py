@@ -8,6 +8,7 @@ benchmarks/bench_sharing.py's job).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -339,18 +340,32 @@ def test_instance_limit_is_split_across_pools_by_capacity():
         shutdown_kvcached()
 
 
-def test_a_budgeted_manager_holds_no_physical_memory_the_budget_does_not_count(monkeypatch, budget_name):
-    """Released handles would sit in the backend's cache, holding device memory the budget has
-    already been given back: under a budget the cache is off."""
-    from kvcached import KVCacheManager, config, init_kvcached, shutdown_kvcached
+@contextlib.contextmanager
+def host_runtime_under(monkeypatch, budget_name: str, **settings: str):
+    """This process's runtime on the host backend (64 KiB pages, no reserved pool) under the
+    global budget ``budget_name`` (plus ``settings``, KVCACHED_ names without the prefix); shut
+    down and the environment restored afterwards."""
+    from kvcached import config, init_kvcached, shutdown_kvcached
 
-    monkeypatch.setenv("KVCACHED_GLOBAL_BUDGET", budget_name)
-    monkeypatch.setenv("KVCACHED_GLOBAL_BUDGET_BYTES", "16M")
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
+    for name, value in {"GLOBAL_BUDGET": budget_name, **settings, "MIN_RESERVED_PAGES": "0",
+                        "MAX_RESERVED_PAGES": "0"}.items():
+        monkeypatch.setenv(f"KVCACHED_{name}", value)
     config.reload_settings()
     init_kvcached(device="cpu", page_size_bytes=64 << 10)
     try:
+        yield
+    finally:
+        shutdown_kvcached()
+        monkeypatch.undo()
+        config.reload_settings()
+
+
+def test_a_budgeted_manager_holds_no_physical_memory_the_budget_does_not_count(monkeypatch, budget_name):
+    """Released handles would sit in the backend's cache, holding device memory the budget has
+    already been given back: under a budget the cache is off."""
+    from kvcached import KVCacheManager
+
+    with host_runtime_under(monkeypatch, budget_name, GLOBAL_BUDGET_BYTES="16M"):
         m = KVCacheManager(1024, 16, 64, 2)
         backend = m._group.page_table.backend
         for _ in range(3):
@@ -361,10 +376,6 @@ def test_a_budgeted_manager_holds_no_physical_memory_the_budget_does_not_count(m
             # then unmaps the pending pages (within its 10 ms poll)
             wait_until(lambda: backend.physical_bytes == read_budget(budget_name).held_bytes == 0,
                        what="the freed pages to be unmapped and their bytes given back")
-    finally:
-        shutdown_kvcached()
-        monkeypatch.undo()
-        config.reload_settings()
 
 
 def test_segment_shows_applied_when_the_limit_is_met_while_the_watcher_answers():
@@ -524,15 +535,10 @@ def test_first_come_budget_caps_nobody(managers, budget_name):
 def test_refused_allocations_are_demand(monkeypatch, budget_name):
     """Two managers of one process hold two slots of one budget: the one whose alloc is refused
     publishes those blocks as demand without report_demand, and the other is capped at half."""
-    from kvcached import KVCacheManager, config, init_kvcached, shutdown_kvcached
+    from kvcached import KVCacheManager
     from kvcached.errors import KVCachedArgumentError
 
-    monkeypatch.setenv("KVCACHED_GLOBAL_BUDGET", budget_name)
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
-    config.reload_settings()
-    init_kvcached(device="cpu", page_size_bytes=64 << 10)
-    try:
+    with host_runtime_under(monkeypatch, budget_name):
         page = (64 << 10) * 2 * 2                   # a page id maps 2 layers x K, V of 64 KiB
         kb.set_budget(budget_name, 8 * page)
         first = KVCacheManager(1024, 16, 64, 2, pool_name="first")
@@ -560,10 +566,6 @@ def test_refused_allocations_are_demand(monkeypatch, budget_name):
         assert first.over_limit_pages() == 0
         wait_until(lambda: second.alloc(4 * bpp) is not None, what="the second mapping its share")
         assert read_budget(budget_name).held_bytes == 8 * page
-    finally:
-        shutdown_kvcached()
-        monkeypatch.undo()
-        config.reload_settings()
 
 
 def test_share_is_none_without_a_budget():
@@ -586,14 +588,9 @@ def test_demand_beyond_the_holders_own_limit_is_no_demand(monkeypatch, budget_na
     those would let it take beyond what it holds: the blocks its own limit refuses are no demand
     on the budget, so the other instance is not capped while pages sit free. Demand within them
     still caps the other."""
-    from kvcached import KVCacheManager, config, init_kvcached, shutdown_kvcached
+    from kvcached import KVCacheManager
 
-    monkeypatch.setenv("KVCACHED_GLOBAL_BUDGET", budget_name)
-    monkeypatch.setenv("KVCACHED_MIN_RESERVED_PAGES", "0")
-    monkeypatch.setenv("KVCACHED_MAX_RESERVED_PAGES", "0")
-    config.reload_settings()
-    init_kvcached(device="cpu", page_size_bytes=64 << 10)
-    try:
+    with host_runtime_under(monkeypatch, budget_name):
         page = (64 << 10) * 2 * 2                   # a page id maps 2 layers x K, V of 64 KiB
         kb.set_budget(budget_name, 16 * page)
         small = KVCacheManager(256, 16, 64, 2, pool_name="small")        # a capacity of 4 pages
@@ -614,7 +611,3 @@ def test_demand_beyond_the_holders_own_limit_is_no_demand(monkeypatch, budget_na
         wait_until(lambda: small.share()["demand_bytes"] == page, what="demand up to the raised limit")
         wait_until(lambda: big.share()["cap_bytes"] < I64_MAX, what="the other instance capped")
         assert big.over_limit_blocks() > 0
-    finally:
-        shutdown_kvcached()
-        monkeypatch.undo()
-        config.reload_settings()
